@@ -1,0 +1,155 @@
+"""Offline throughput, after vLLM's benchmark_throughput: pagedllm against transformers generate().
+
+N requests with random token-id prompts and fixed output lengths (EOS ignored, greedy). The same
+prompts run through Hugging Face transformers `generate()` in padded static batches, the naive
+baseline users start from, in the same process; engines are interleaved over repeats and the
+medians and their ratio are printed (this machine is shared and noisy).
+
+    .venv/bin/python benchmarks/throughput.py --num-prompts 64 --input-len 16 256 --output-len 16 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.models.loader import resolve_model_path  # noqa: E402
+
+
+def make_requests(num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    # Stay clear of the low ids, where tokenizers keep their special tokens.
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*input_range))], rng.randint(*output_range))
+        for _ in range(num)
+    ]
+
+
+def run_pagedllm(llm: LLM, requests) -> tuple[float, int]:
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.llm_engine.get_stats()
+    assert stats.get("num_used_gpu_blocks", 0) == 0 or stats.get("num_free_gpu_blocks") == stats["num_gpu_blocks"]
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def load_hf_model(model: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if model.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model), gguf_file=os.path.basename(model), torch_dtype=dtype
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype, local_files_only=True).eval()
+
+
+@torch.inference_mode()
+def run_hf(hf_model, requests, batch_size: int, pad_id: int) -> tuple[float, int]:
+    """Static batches in arrival order; each batch runs until its longest output is done."""
+    start = time.perf_counter()
+    useful = 0
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        max_new = max(out for _, out in batch)
+        hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        useful += sum(out for _, out in batch)
+    return time.perf_counter() - start, useful
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2-135M)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[64], help="empty list skips transformers")
+    parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one pagedllm run")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    model_path = resolve_model_path(args.model)
+    llm_kwargs = dict(
+        model=model_path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, seed=args.seed,
+    )
+    if args.tensor_parallel_size != 1:
+        llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    llm = LLM(**llm_kwargs)
+    vocab = llm.llm_engine.vocab_size
+    requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+    total_out = sum(out for _, out in requests)
+    print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {total_out} output tokens")
+
+    # Warm-up: first calls pay for allocator growth and kernel selection.
+    run_pagedllm(llm, requests[:4])
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_pagedllm(llm, requests)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+    hf_model = None
+    if args.hf_batch_sizes:
+        hf_model = load_hf_model(model_path, getattr(torch, args.dtype))
+        pad_id = llm.get_tokenizer().pad_token_id or 0
+        run_hf(hf_model, requests[:2], 2, pad_id)
+
+    results: dict[str, list[float]] = {"pagedllm": []}
+    for batch_size in args.hf_batch_sizes:
+        results[f"transformers_bs{batch_size}"] = []
+    for repeat in range(args.repeats):
+        elapsed, produced = run_pagedllm(llm, requests)
+        assert produced == total_out, (produced, total_out)
+        results["pagedllm"].append(produced / elapsed)
+        print(f"[{repeat}] pagedllm: {len(requests) / elapsed:.2f} req/s, {produced / elapsed:.1f} output tok/s")
+        for batch_size in args.hf_batch_sizes:
+            elapsed, useful = run_hf(hf_model, requests, batch_size, pad_id)
+            results[f"transformers_bs{batch_size}"].append(useful / elapsed)
+            print(f"[{repeat}] transformers batch {batch_size}: {useful / elapsed:.1f} output tok/s")
+
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    print("\nmedian output tok/s:")
+    for name, value in medians.items():
+        print(f"  {name:28s} {value:8.1f}")
+    hf_names = [name for name in medians if name.startswith("transformers")]
+    if hf_names:
+        best = max(hf_names, key=medians.get)
+        print(f"pagedllm / best transformers ({best}): {medians['pagedllm'] / medians[best]:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "tok_per_s": results, "median": medians}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

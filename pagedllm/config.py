@@ -1,0 +1,104 @@
+"""Typed settings of the engine, grouped as the paper's components are: cache, scheduler, model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The KV block pool.
+
+    ``num_kv_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the pool takes a
+    fraction of measured free memory after a warm-up pass (see worker/cache_engine.py).
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    swap_space: int = 0  # bytes of CPU memory for swapped-out blocks (used by preemption by swap)
+    num_cpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}.")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Budgets of one step and the preemption policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    # Admission keeps this fraction of the pool free so running sequences can grow.
+    watermark: float = 0.01
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}."
+            )
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the loader found: the HF-style config (a transformers PretrainedConfig) and where from."""
+
+    model: str  # path of the HF folder or GGUF file
+    hf_config: Any
+    dtype: Any  # torch.dtype, kept untyped so core/ never imports torch through this module
+    max_model_len: int
+    architecture: str
+    tokenizer_path: str | None = None
+    gguf_file: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything a user can set, flat, as LLM(...) and the command line take them."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    swap_space: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)

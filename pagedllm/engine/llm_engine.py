@@ -1,0 +1,295 @@
+"""The engine loop: add requests, step (schedule -> execute -> process outputs), abort.
+
+The scheduler decides which sequences run and which blocks move; the worker executes; this
+module turns sampled tokens into sequences' state: appends tokens, forks parallel samples,
+detokenizes, checks stops, frees finished sequences, and builds RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
+from pagedllm.detokenizer import detokenize_incrementally
+from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
+from pagedllm.engine.stop_checker import check_stop
+from pagedllm.models.loader import load_model_config, load_tokenizer
+from pagedllm.sampling import SamplingRow
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import (
+    CompletionOutput,
+    RequestOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+from pagedllm.worker.model_runner import SeqStepInput, StepInput
+from pagedllm.worker.worker import Worker, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        tokenizer: Any,
+        device: torch.device,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.tokenizer = tokenizer
+        self.device = device
+        self.seed = seed
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.worker = Worker(
+            model_config,
+            cache_config,
+            device,
+            self.eos_token_id,
+            scheduler_config.max_num_batched_tokens,
+            seed=seed,
+            num_threads=num_threads,
+        )
+        self.num_gpu_blocks = self.worker.num_gpu_blocks
+        self.num_cpu_blocks = self.worker.num_cpu_blocks
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks)
+        self.vocab_size = model_config.hf_config.vocab_size
+        # A sequence can never grow past the pool: cap its length there so it ends ("length")
+        # instead of preempting itself forever.
+        self.max_seq_len = min(model_config.max_model_len, self.num_gpu_blocks * cache_config.block_size)
+        self._seq_counter = itertools.count()
+        self._request_counter = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+        logger.info(
+            "KV pool: %d device blocks, %d CPU blocks of %d tokens", self.num_gpu_blocks, self.num_cpu_blocks,
+            cache_config.block_size,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        device = resolve_device(args.device)
+        model_config = load_model_config(args.model, args.dtype, args.max_model_len)
+        tokenizer = load_tokenizer(model_config)
+        max_num_batched_tokens = args.max_num_batched_tokens or max(model_config.max_model_len, 8192)
+        cache_config = CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_kv_blocks=args.num_kv_blocks,
+            swap_space=args.swap_space,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=model_config.max_model_len,
+            preemption_mode=args.preemption_mode,
+        )
+        return cls(model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads)
+
+    # ------------------------------------------------------------------ requests
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue one request; raises ValueError (nothing queued) on bad input."""
+        group = self.make_seq_group(request_id, prompt, params, arrival_time)
+        self.enqueue(group)
+
+    def make_seq_group(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> SequenceGroup:
+        """Everything add_request checks, without queueing (so a batch can be checked first)."""
+        if request_id in self._groups:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        text, token_ids = parse_prompt(prompt, self.tokenizer, self.vocab_size)
+        check_request(
+            token_ids, params, self.model_config.max_model_len, self.num_gpu_blocks * self.cache_config.block_size
+        )
+        seq = Sequence(next(self._seq_counter), token_ids, self.cache_config.block_size)
+        return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text)
+
+    def enqueue(self, group: SequenceGroup) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"Request id {group.request_id!r} is already in use.")
+        if group.sampling_params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(group.sampling_params.seed)
+            self._generators[group.request_id] = generator
+        self._groups[group.request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.scheduler.abort_seq_group(ids)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            self._generators.pop(rid, None)
+            if group is not None and group.metrics.finished_time is None:
+                group.metrics.finished_time = time.time()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the outputs of every request that ran or ended in it."""
+        sched = self.scheduler.schedule()
+        step_input = self._build_step_input(sched)
+        sampler_output = self.worker.execute(step_input)
+        self.num_steps += 1
+        outputs = self._process_outputs(sched, step_input, sampler_output)
+        for group in sched.ignored_seq_groups:
+            outputs.append(self._make_output(group))
+            self._forget(group)
+        self.scheduler.free_finished_seq_groups()
+        return outputs
+
+    def _build_step_input(self, sched: SchedulerOutputs) -> StepInput:
+        seqs: list[SeqStepInput] = []
+        block_manager = self.scheduler.block_manager
+        for group in sched.scheduled_seq_groups:
+            params = group.sampling_params
+            generator = self._generators.get(group.request_id)
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                tokens = seq.get_token_ids()[seq.num_computed_tokens :]
+                # The prompt step of a group with best_of > 1 samples best_of first tokens from
+                # the one computed prompt; the extra samples become forks sharing its blocks.
+                num_samples = params.best_of if (sched.is_prefill and not seq.output_token_ids) else 1
+                row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator)
+                seqs.append(
+                    SeqStepInput(
+                        seq_id=seq.seq_id,
+                        token_ids=tokens,
+                        start_pos=seq.num_computed_tokens,
+                        block_table=block_manager.get_block_table(seq),
+                        sampling_row=row,
+                        num_samples=num_samples,
+                    )
+                )
+        return StepInput(
+            is_prefill=sched.is_prefill,
+            seqs=seqs,
+            blocks_to_swap_in=sched.blocks_to_swap_in,
+            blocks_to_swap_out=sched.blocks_to_swap_out,
+            blocks_to_copy=sched.blocks_to_copy,
+        )
+
+    def _process_outputs(self, sched: SchedulerOutputs, step_input: StepInput, sampler_output) -> list[RequestOutput]:
+        now = time.time()
+        outputs: list[RequestOutput] = []
+        block_manager = self.scheduler.block_manager
+        row = 0
+        for group in sched.scheduled_seq_groups:
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+                group.metrics.time_in_queue = now - group.metrics.arrival_time
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            for seq in running:
+                was_prompt = not seq.output_token_ids
+                if was_prompt:
+                    self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
+                seq.num_computed_tokens = seq.get_len()
+                block_manager.mark_computed(seq)
+                num_samples = group.sampling_params.best_of if (sched.is_prefill and was_prompt) else 1
+                samples = list(range(row, row + num_samples))
+                row += num_samples
+                children = [seq]
+                for _ in samples[1:]:
+                    child = seq.fork(next(self._seq_counter))
+                    self.scheduler.fork_seq(seq, child)
+                    group.seqs.append(child)
+                    children.append(child)
+                for target, index in zip(children, samples):
+                    self._append_token(group, target, sampler_output, index)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            if group.is_finished():
+                group.metrics.finished_time = now
+            outputs.append(self._make_output(group))
+            if group.is_finished():
+                self._forget(group)
+        return outputs
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, sampler_output, index: int) -> None:
+        params = group.sampling_params
+        top = sampler_output.top_logprobs[index] if params.logprobs is not None else None
+        seq.append_token(sampler_output.token_ids[index], sampler_output.logprobs[index], top)
+        self.num_generation_tokens += 1
+        new_text = detokenize_incrementally(self.tokenizer, seq, params)
+        check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
+        if seq.is_finished():
+            self.scheduler.free_seq(seq)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        self._generators.pop(group.request_id, None)
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        seqs = group.get_seqs()
+        if group.is_finished() and params.best_of > params.n:
+            # best_of: return the n candidates with the highest cumulative log-probability.
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for i, seq in enumerate(seqs)
+        ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.is_finished(),
+            metrics=group.metrics,
+            error=group.error,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = dict(self.scheduler.get_stats())
+        stats.update(
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            steps=self.num_steps,
+        )
+        return stats

@@ -1,0 +1,163 @@
+"""`pagedllm generate | chat | serve` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every engine setting as a flag (shared by generate, chat and serve)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2-135M)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
+    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, bytes or e.g. 2GiB")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins)")
+    group.add_argument("--swap-space", default="0", help="CPU swap pool for preempted blocks, e.g. 1GiB")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        swap_space=args.swap_space,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        device=args.device,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        num_threads=args.num_threads,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--n", type=int, default=1)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    params = sampling_params_from(args)
+    llm = LLM(**engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    for output in outputs:
+        for completion in output.outputs:
+            label = f"[{output.request_id}.{completion.index}]" if params.n > 1 else f"[{output.request_id}]"
+            print(f"{label} {output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(
+        f"{len(outputs)} requests, {num_tokens} output tokens in {elapsed:.2f} s: "
+        f"{len(outputs) / elapsed:.2f} req/s, {num_tokens / elapsed:.1f} output tok/s"
+    )
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+
+    params = sampling_params_from(args)
+    llm = LLM(**engine_kwargs(args))
+    conversation: list[dict[str, str]] = []
+    if args.system:
+        conversation.append({"role": "system", "content": args.system})
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        conversation.append({"role": "user", "content": user})
+        reply = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        print(f"assistant> {reply}", flush=True)
+        conversation.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts offline and print a throughput summary")
+    gen.add_argument("prompts", nargs="+", help="prompt texts")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=run_generate)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat on the terminal")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=run_chat)
+    try:
+        from pagedllm.entrypoints.serve_cli import add_serve_parser
+    except ImportError:  # the server's dependencies are optional for offline use
+        pass
+    else:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

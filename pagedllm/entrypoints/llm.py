@@ -1,0 +1,177 @@
+"""LLM: the offline API (vLLM's names), a thin loop around LLMEngine."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.inputs import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import RequestOutput
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """Accept 2147483648, "2GiB", "512MiB", "1.5GB"."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"Cannot read a memory size from {value!r}; use bytes or e.g. '2GiB', '512MiB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class LLM:
+    """Generate text for many prompts at once with a paged KV cache and continuous batching.
+
+    model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a GGUF file.
+    kv_cache_memory: bytes (or "2GiB") for the KV pool; num_kv_blocks sets the block count instead.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        swap_space: int | str = 0,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        num_threads: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(f"Unknown LLM settings: {', '.join(sorted(kwargs))}.")
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_memory=parse_bytes(kv_cache_memory),
+            num_kv_blocks=num_kv_blocks,
+            swap_space=parse_bytes(swap_space) or 0,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            seed=seed,
+            device=device,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            num_threads=num_threads,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the prompts' order. Bad input raises before any work."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} sampling params for {len(prompt_list)} prompts; give one or one each."
+                )
+        engine = self.llm_engine
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        groups = [
+            engine.make_seq_group(engine.next_request_id(), prompt, params)
+            for prompt, params in zip(prompt_list, params_list)
+        ]
+        for group in groups:
+            engine.enqueue(group)
+        return self._run_engine([g.request_id for g in groups], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {"prompt_token_ids": ids, "prompt": text}
+            for text, ids in (self.render_chat(c, chat_template, add_generation_prompt) for c in conversations)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(
+        self, conversation: list[dict[str, str]], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {generated / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            # Leave the engine clean for the next call: drop whatever this call queued.
+            engine.abort_request([rid for rid in request_ids if rid not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def render_chat(
+    tokenizer: Any, conversation: list[dict[str, str]], chat_template: str | None, add_generation_prompt: bool
+) -> tuple[str, list[int]]:
+    if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
+        raise ValueError("A conversation must be a list of {'role': ..., 'content': ...} messages.")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+    text = tokenizer.apply_chat_template(
+        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    # The template already holds any BOS it wants: do not let the tokenizer add another.
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        if not prompts:
+            raise ValueError("No prompts given.")
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of token ids, a dict, or a list of those; got {type(prompts)}.")

@@ -1,0 +1,216 @@
+"""Sequences and sequence groups: the scheduler's unit of work.
+
+A request becomes one SequenceGroup; its sequences (n samples, beams) share the prompt and
+are scheduled, preempted and resumed together (gang scheduling, as in the paper).
+This module is pure Python: core/ imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # rejected by the scheduler (can never fit)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH_CAPPED,
+    SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_IGNORED,
+}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Sequence:
+    """One token stream: the shared prompt plus this sequence's own generated tokens."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are already in the cache. A prefill computes the rest; after a
+        # recompute preemption it drops to 0 and prompt + output run again as one prefill.
+        self.num_computed_tokens = 0
+        self.cumulative_logprob = 0.0
+        # Per generated token: {token_id: logprob} with the chosen token and the top k.
+        self.output_logprobs: list[dict[int, float]] = []
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # Incremental detokenizer state (see pagedllm/detokenizer.py).
+        self.tokens: list[str] | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-self.get_len() // self.block_size)
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: the next prefill recomputes prompt and generated tokens."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        """A child that continues from this sequence's state (the blocks are forked separately)."""
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size)
+        child.output_token_ids = list(self.output_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_text = self.output_text
+        child.tokens = None if self.tokens is None else list(self.tokens)
+        child.prefix_offset = self.prefix_offset
+        child.read_offset = self.read_offset
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times of one request (seconds since the epoch, time.time())."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+
+
+class SequenceGroup:
+    """All sequences of one request, gang-scheduled."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.prompt = prompt
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        self.error: str | None = None  # set when the scheduler refuses the request
+        self.num_preemptions = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def max_num_running_seqs(self) -> int:
+        """The most sequences this group can have at once (for the max_num_seqs budget)."""
+        params = self.sampling_params
+        if params.use_beam_search:
+            return params.best_of
+        if self.seqs[0].status == SequenceStatus.WAITING and not self.seqs[0].output_token_ids:
+            return params.best_of
+        return len(self.get_unfinished_seqs())
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def is_prefill(self) -> bool:
+        return any(seq.num_computed_tokens < seq.get_len() - 1 or seq.num_computed_tokens == 0 for seq in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id}, seqs={self.seqs})"
+
+
+@dataclass
+class CompletionOutput:
+    """One returned sequence of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What generate() returns per prompt, and what the engine streams per step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,106 @@
+"""Turns one scheduled step into batch tensors, runs the model, and samples.
+
+The batch is flattened (no padding): all tokens computed this step, one after another, with
+their positions and KV slots; attention finds each sequence's tokens through query_start_loc
+and its cached context through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
+
+
+@dataclass
+class SeqStepInput:
+    """What the worker needs about one sequence for one step (plain data, sendable to ranks)."""
+
+    seq_id: int
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # absolute position of token_ids[0] (= tokens already cached)
+    block_table: list[int]
+    sampling_row: SamplingRow | None  # None: compute only, do not sample
+    num_samples: int = 1  # > 1 on the prompt step of best_of / parallel sampling: rows share the logits
+
+
+@dataclass
+class StepInput:
+    is_prefill: bool
+    seqs: list[SeqStepInput]
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        cached: list[int] = []
+        sample_indices: list[int] = []
+        for seq in step.seqs:
+            n = len(seq.token_ids)
+            start = seq.start_pos
+            input_ids.extend(seq.token_ids)
+            seq_positions = range(start, start + n)
+            positions.extend(seq_positions)
+            table = seq.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in seq_positions)
+            query_start_loc.append(query_start_loc[-1] + n)
+            context_lens.append(start + n)
+            cached.append(start)
+            if seq.sampling_row is not None:
+                sample_indices.extend([query_start_loc[-1] - 1] * seq.num_samples)
+        max_context_len = max(context_lens)
+        max_blocks = -(-max_context_len // block_size)
+        tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks])) for seq in step.seqs]
+        device = self.device
+        meta = AttentionMetadata(
+            is_prefill=step.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_lens=[len(seq.token_ids) for seq in step.seqs],
+            query_start_loc=query_start_loc,
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            num_cached_tokens=cached,
+            max_context_len=max_context_len,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+            torch.tensor(sample_indices, dtype=torch.long, device=device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], generator: torch.Generator):
+        input_ids, positions, meta, sample_indices = self.prepare(step)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        rows = [seq.sampling_row for seq in step.seqs if seq.sampling_row is not None for _ in range(seq.num_samples)]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+        logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
+        return self.sampler(logits, rows, generator)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A forward pass as large as the biggest step, without a cache, to measure peak memory."""
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, None, None)
+        self.model.compute_logits(hidden[-1:])

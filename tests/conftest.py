@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random models built on the spot, a tokenizer trained on the spot."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "PagedAttention stores the KV cache in fixed-size blocks, like pages of virtual memory.",
+    "A block table maps logical blocks to physical blocks anywhere in the pool.",
+    "Copy-on-write lets beams and samples share blocks until they diverge.",
+    "Hello, world! Bonjour le monde. Hallo Welt. こんにちは世界 🙂",
+    "def main():\n    return 42\n",
+] * 20
+
+
+def train_tokenizer(path: str, vocab_size: int = 384):
+    """A small byte-level BPE with BOS/EOS/PAD, saved as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(kind: str, path: str) -> str:
+    """Save a tiny random model of one architecture (+ tokenizer) under path; return path."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        LlamaConfig,
+        OPTConfig,
+        Qwen2Config,
+    )
+
+    tokenizer = train_tokenizer(path)
+    vocab = len(tokenizer)
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    if kind == "llama":
+        config = LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rope_theta=10000.0,
+            tie_word_embeddings=False, **common,
+        )
+    elif kind == "qwen2":
+        config = Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rope_theta=1000000.0,
+            tie_word_embeddings=True, **common,
+        )
+    elif kind == "gpt2":
+        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2, **common)
+    elif kind == "opt":
+        config = OPTConfig(
+            hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+            word_embed_proj_dim=64, init_std=0.2, **common,
+        )
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if kind == "qwen2":
+        # Random biases, so the qkv-bias path is really exercised.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    cache: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            cache[kind] = build_tiny_model(kind, str(tmp_path_factory.mktemp(f"tiny-{kind}")))
+        return cache[kind]
+
+    return get
+
+
+def assert_no_leaks(llm) -> None:
+    """Every block back in the free pool, every reference count zero."""
+    engine = llm.llm_engine if hasattr(llm, "llm_engine") else llm
+    assert not engine.has_unfinished_requests()
+    engine.scheduler.block_manager.assert_all_free()
