@@ -41,8 +41,7 @@ def run_pagedllm(llm: LLM, requests) -> tuple[float, int]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    stats = llm.llm_engine.get_stats()
-    assert stats.get("num_used_gpu_blocks", 0) == 0 or stats.get("num_free_gpu_blocks") == stats["num_gpu_blocks"]
+    assert llm.llm_engine.get_stats()["gpu_blocks_used"] == 0
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 

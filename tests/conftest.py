@@ -107,4 +107,6 @@ def assert_no_leaks(llm) -> None:
     """Every block back in the free pool, every reference count zero."""
     engine = llm.llm_engine if hasattr(llm, "llm_engine") else llm
     assert not engine.has_unfinished_requests()
-    engine.scheduler.block_manager.assert_all_free()
+    block_manager = engine.scheduler.block_manager
+    block_manager.check_invariants()
+    assert block_manager.all_free()

@@ -80,7 +80,7 @@ def test_forced_preemption_keeps_output(llama_dir):
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     stats = tight.llm_engine.get_stats()
-    assert stats["num_preemptions"] > 0
+    assert stats["num_preempted"] > 0
     assert_no_leaks(tight)
 
 

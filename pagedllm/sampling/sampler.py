@@ -1,0 +1,239 @@
+"""The sampler: model logits of a batch in, one token per row out.
+
+Order of operations (per row, vectorised over the batch):
+
+1. raw logprobs = log_softmax(raw logits); reported logprobs and cumulative logprobs use these
+   (vLLM V1's default "raw" logprobs mode);
+2. min_tokens: while fewer than ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``)
+   and ``stop_token_ids`` are masked;
+3. repetition penalty (Hugging Face semantics, over prompt + output tokens);
+4. presence / frequency penalties (OpenAI semantics, over output tokens);
+5. greedy rows (temperature 0) take the argmax here;
+6. temperature, top-k, top-p, min-p, then a draw.
+
+The draw is by inverse CDF: one U[0, 1) number per row, the first token whose cumulative
+probability exceeds it. Drawing that number with the row's own ``torch.Generator`` makes a
+seeded request's tokens independent of whatever else is batched with it (every other step is
+row-wise); rows without a generator share the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling.penalties import (
+    apply_min_p,
+    apply_min_tokens,
+    apply_presence_frequency_penalties,
+    apply_repetition_penalty,
+    apply_top_k_top_p,
+    token_counts,
+)
+from pagedllm.sampling_params import SamplingParams
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample a token for."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Per-request generator seeded with params.seed; None -> the engine's shared generator.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # The chosen token's raw logprob (log_softmax of the model's logits).
+    logprobs: list[float]
+    # {token_id: logprob} with the chosen token and the top ``params.logprobs``; None when not asked.
+    top_logprobs: list[dict[int, float] | None]
+    # [N, V] raw logprobs, only when asked for (beam search ranks candidates with them).
+    full_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    def __init__(self, eos_token_id: int | None, vocab_size: int) -> None:
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        generator: torch.Generator | None = None,
+        *,
+        return_full_logprobs: bool = False,
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ``[N, V]``.
+
+        ``generator`` serves the rows that have none of their own (None -> torch's default).
+        ``return_full_logprobs`` also returns the ``[N, V]`` raw logprobs.
+        """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given.")
+        if not rows:
+            empty = logits.new_empty((0, self.vocab_size)) if return_full_logprobs else None
+            return SamplerOutput([], [], [], empty)
+        # Some models pad the vocabulary; padded columns are never sampled.
+        logits = logits[:, : self.vocab_size].float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        banned = self._min_tokens_banned(rows)
+        needs_repetition = any(row.params.repetition_penalty != 1.0 for row in rows)
+        needs_presence_frequency = any(
+            row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0 for row in rows
+        )
+        all_greedy = all(row.params.is_greedy for row in rows)
+        if all_greedy and banned is None and not needs_repetition and not needs_presence_frequency:
+            token_ids = logits.argmax(dim=-1)  # fast path: argmax of logits == argmax of logprobs
+        else:
+            processed = logits.clone()
+            if banned is not None:
+                apply_min_tokens(processed, banned)
+            if needs_repetition or needs_presence_frequency:
+                self._apply_penalties(processed, rows, needs_repetition, needs_presence_frequency)
+            token_ids = self._choose(processed, rows, generator)
+
+        chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        token_list: list[int] = token_ids.tolist()
+        logprob_list: list[float] = chosen_logprobs.tolist()
+        top_logprobs = self._top_logprobs(raw_logprobs, rows, token_list, logprob_list)
+        return SamplerOutput(
+            token_ids=token_list,
+            logprobs=logprob_list,
+            top_logprobs=top_logprobs,
+            full_logprobs=raw_logprobs if return_full_logprobs else None,
+        )
+
+    def _min_tokens_banned(self, rows: list[SamplingRow]) -> list[list[int]] | None:
+        """Per row, the ids that must not be sampled yet (None when no row has any)."""
+        banned: list[list[int]] = []
+        any_banned = False
+        for row in rows:
+            params = row.params
+            ids: list[int] = []
+            if len(row.output_token_ids) < params.min_tokens:
+                ids.extend(params.stop_token_ids or ())
+                if self.eos_token_id is not None and not params.ignore_eos:
+                    ids.append(self.eos_token_id)
+            any_banned = any_banned or bool(ids)
+            banned.append(ids)
+        return banned if any_banned else None
+
+    def _apply_penalties(
+        self, logits: torch.Tensor, rows: list[SamplingRow], repetition: bool, presence_frequency: bool
+    ) -> None:
+        device = logits.device
+        output_counts = token_counts([row.output_token_ids for row in rows], self.vocab_size, device)
+        if repetition:
+            prompt_counts = token_counts([row.prompt_token_ids for row in rows], self.vocab_size, device)
+            seen = (prompt_counts > 0) | (output_counts > 0)
+            penalties = torch.tensor([row.params.repetition_penalty for row in rows], dtype=logits.dtype)
+            apply_repetition_penalty(logits, seen, penalties.to(device))
+        if presence_frequency:
+            presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=logits.dtype)
+            frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=logits.dtype)
+            apply_presence_frequency_penalties(logits, output_counts, presence.to(device), frequency.to(device))
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+        device = logits.device
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=device)
+        greedy_index = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        sample_index = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if greedy_index:
+            index = torch.as_tensor(greedy_index, device=device)
+            token_ids[index] = logits[index].argmax(dim=-1)
+        if len(sample_index) == len(rows):
+            return self._sample(logits, rows, generator)  # no row copies when nothing is greedy
+        if sample_index:
+            index = torch.as_tensor(sample_index, device=device)
+            sample_rows = [rows[i] for i in sample_index]
+            token_ids[index] = self._sample(logits[index], sample_rows, generator)
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+        device = logits.device
+        params = [row.params for row in rows]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        logits = logits / temperatures.unsqueeze(1)
+        vocab_size = logits.shape[1]
+        top_k = top_p = None
+        if any(p.top_k != -1 for p in params):
+            top_k = torch.tensor([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params])
+            top_k = top_k.to(device)
+        if any(p.top_p < 1.0 - _EPS for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > _EPS for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+            logits = apply_min_p(logits, min_p)
+        probs = logits.softmax(dim=-1)
+        return _inverse_cdf_sample(probs, self._uniforms(rows, device, generator))
+
+    @staticmethod
+    def _uniforms(rows: list[SamplingRow], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+        """``[N]`` U[0, 1) draws; a row with its own generator draws from it alone."""
+        uniforms = torch.empty(len(rows), dtype=torch.float32)
+        shared_index = [i for i, row in enumerate(rows) if row.generator is None]
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                uniforms[i] = _draw_uniform(1, row.generator)[0]
+        if shared_index:
+            uniforms[torch.as_tensor(shared_index)] = _draw_uniform(len(shared_index), generator)
+        return uniforms.to(device)
+
+    def _top_logprobs(
+        self,
+        raw_logprobs: torch.Tensor,
+        rows: list[SamplingRow],
+        token_ids: list[int],
+        chosen_logprobs: list[float],
+    ) -> list[dict[int, float] | None]:
+        wanted = [row.params.logprobs for row in rows]
+        max_k = max((k for k in wanted if k is not None), default=None)
+        if max_k is None:
+            return [None] * len(rows)
+        top_values: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if max_k > 0:
+            values, ids = raw_logprobs.topk(min(max_k, raw_logprobs.shape[1]), dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        result: list[dict[int, float] | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                result.append(None)
+                continue
+            entry = {token_ids[i]: chosen_logprobs[i]}
+            if k > 0:
+                for token_id, value in zip(top_ids[i][:k], top_values[i][:k], strict=True):
+                    entry.setdefault(token_id, value)
+            result.append(entry)
+        return result
+
+
+def _draw_uniform(count: int, generator: torch.Generator | None) -> torch.Tensor:
+    # A generator lives on one device: draw there (a handful of numbers) and bring them to the CPU.
+    device = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(count, generator=generator, device=device).cpu()
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ``i`` with probability ``probs[i]``: the first index whose cumulative mass exceeds ``u``.
+
+    One random number per row, not per vocabulary entry: on a CPU the random draws of the
+    exponential-race trick (``argmax(probs / Exp(1))``) cost more than the whole rest of sampling.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    token_ids = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # Rounding can push the target past the last nonzero entry; never return a masked token.
+    masked = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) == 0
+    return torch.where(masked, probs.argmax(dim=-1), token_ids)
