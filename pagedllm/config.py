@@ -33,6 +33,9 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}.")
 
 
+KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets of one step and the preemption policy."""
@@ -43,8 +46,18 @@ class SchedulerConfig:
     # Admission keeps this fraction of the pool free so running sequences can grow.
     watermark: float = 0.01
     preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    # The paper's baselines as policies of this scheduler (see core/policies.py): "paged" (ours)
+    # or a contiguous reservation per sequence; and iteration-level vs request-level batching.
+    kv_allocation: Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"] = "paged"
+    batching: Literal["iteration", "request"] = "iteration"
+    # Account every KV slot each step as token / reserved / fragmented / free (core/waste.py).
+    track_kv_waste: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, got {self.kv_allocation!r}.")
+        if self.batching not in ("iteration", "request"):
+            raise ValueError(f"batching must be 'iteration' or 'request', got {self.batching!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -101,4 +114,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     num_threads: int | None = None
+    kv_allocation: str = "paged"
+    batching: str = "iteration"
+    track_kv_waste: bool = False
     extra: dict = field(default_factory=dict)

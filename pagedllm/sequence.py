@@ -150,6 +150,9 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.error: str | None = None  # set when the scheduler refuses the request
         self.num_preemptions = 0
+        # The true output length, known only in experiments (a trace supplies it): the
+        # contiguous-oracle and contiguous-pow2 policies reserve from it (core/policies.py).
+        self.oracle_output_len: int | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

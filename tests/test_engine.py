@@ -22,7 +22,9 @@ def _prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Like ignore_eos: EOS is an ordinary token (min_new_tokens would instead forbid it).
+    model.generation_config.eos_token_id = None
     outputs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -30,7 +32,6 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=3,
             )

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
+from pagedllm.core.policies import ContiguousBlockManager
+from pagedllm.core.waste import WasteTracker
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -77,13 +79,21 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.block_manager = BlockSpaceManager(
-            block_size=cache_config.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            watermark=scheduler_config.watermark,
-            enable_prefix_caching=cache_config.enable_prefix_caching,
-        )
+        self.block_manager: BlockSpaceManager | ContiguousBlockManager
+        if scheduler_config.kv_allocation == "paged":
+            self.block_manager = BlockSpaceManager(
+                block_size=cache_config.block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                watermark=scheduler_config.watermark,
+                enable_prefix_caching=cache_config.enable_prefix_caching,
+            )
+        else:
+            # The paper's contiguous baselines: same interface, one reserved run per sequence.
+            self.block_manager = ContiguousBlockManager(
+                scheduler_config.kv_allocation, cache_config.block_size, num_gpu_blocks, scheduler_config.max_model_len
+            )
+        self.waste_tracker = WasteTracker() if scheduler_config.track_kv_waste else None
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -145,11 +155,15 @@ class Scheduler:
         now = time.time()
         self.free_finished_seq_groups()
         outputs = SchedulerOutputs()
-        if not self.swapped:
+        # Request-level batching (FasterTransformer): a new batch starts only when the last one is done.
+        may_admit = self.scheduler_config.batching == "iteration" or not self.running
+        if not self.swapped and may_admit:
             self._schedule_prefills(outputs, now)
-            if outputs.scheduled_seq_groups:
-                return outputs
-        self._schedule_decodes(outputs)
+        if not outputs.scheduled_seq_groups:
+            self._schedule_decodes(outputs)
+        if self.waste_tracker is not None:
+            seqs = [seq for group in self.running for seq in group.get_seqs(SequenceStatus.RUNNING)]
+            self.waste_tracker.observe(self.block_manager, seqs, self.waiting[0] if self.waiting else None)
         return outputs
 
     def _schedule_prefills(self, outputs: SchedulerOutputs, now: float) -> None:
@@ -350,4 +364,6 @@ class Scheduler:
             "num_oversized_recomputes": self.num_oversized_recomputes,
         }
         stats.update(self.block_manager.get_stats())
+        if self.waste_tracker is not None:
+            stats["kv_waste"] = self.waste_tracker.summary()
         return stats

@@ -1,0 +1,309 @@
+"""GGUF files: metadata, a transformers config built from it, and dequantized weights under HF names.
+
+The header is parsed here with ``struct`` over an mmap rather than with ``gguf.GGUFReader``: the
+reader builds a numpy view per metadata element, which takes seconds on a 49k-token vocabulary,
+while this walk takes milliseconds. Tensor data is dequantized with ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+GGUF_DEFAULT_ALIGNMENT = 32
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# Metadata value types of the GGUF spec -> struct format of the fixed-size ones.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_TYPE_STRING = 8
+_TYPE_ARRAY = 9
+_NUMPY_OF_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+                    12: "<f8"}
+
+
+@dataclass(slots=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy / torch order (GGUF stores dims innermost first)
+    ggml_type: int
+    offset: int  # absolute offset in the file
+    nbytes: int
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, turning a short read into a clear error."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.size = len(buf)
+        self.path = path
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"GGUF file {self.path!r} is truncated or corrupt: {what} (at byte {self.pos}).")
+
+    def unpack(self, fmt: str) -> Any:
+        n = struct.calcsize(fmt)
+        if self.pos + n > self.size:
+            raise self.fail("the header ends early")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return value
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        if self.pos + length > self.size:
+            raise self.fail(f"a string of {length} bytes runs past the end of the file")
+        raw = bytes(self.buf[self.pos:self.pos + length])
+        self.pos += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> Any:
+        if value_type in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[value_type])
+        if value_type == _TYPE_STRING:
+            return self.string()
+        if value_type == _TYPE_ARRAY:
+            item_type = self.unpack("<I")
+            count = self.unpack("<Q")
+            if item_type in _NUMPY_OF_SCALAR:
+                dtype = np.dtype(_NUMPY_OF_SCALAR[item_type])
+                nbytes = count * dtype.itemsize
+                if self.pos + nbytes > self.size:
+                    raise self.fail(f"an array of {count} values runs past the end of the file")
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+                self.pos += nbytes
+                return arr.tolist()
+            if count > self.size:
+                raise self.fail(f"an array claims {count} elements")
+            return [self.value(item_type) for _ in range(count)]
+        raise self.fail(f"unknown metadata value type {value_type}")
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parse the header of a GGUF file (metadata and tensor table); validate tensor extents."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            if file_size < 24:
+                raise ValueError(f"GGUF file {path!r} is truncated or corrupt: only {file_size} bytes.")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ValueError(f"Cannot read GGUF file {path!r}: {e}") from e
+    try:
+        cur = _Cursor(buf, path)
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise ValueError(f"{path!r} is not a GGUF file (magic bytes {bytes(buf[:4])!r}, expected b'GGUF').")
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF file {path!r} has unsupported version {version} (supported: 2, 3).")
+        tensor_count = cur.unpack("<Q")
+        kv_count = cur.unpack("<Q")
+        if tensor_count > 1_000_000 or kv_count > 1_000_000:
+            raise cur.fail(f"implausible counts ({tensor_count} tensors, {kv_count} metadata keys)")
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            if n_dims > 8:
+                raise cur.fail(f"tensor {name!r} has {n_dims} dimensions")
+            dims = [cur.unpack("<Q") for _ in range(n_dims)]
+            ggml_type = cur.unpack("<I")
+            offset = cur.unpack("<Q")
+            infos.append((name, dims, ggml_type, offset))
+        alignment = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        gguf_file = GGUFFile(path=path, metadata=metadata)
+        for name, dims, ggml_type, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(ggml_type)
+                block_size, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise ValueError(f"GGUF file {path!r}: tensor {name!r} has unknown ggml type {ggml_type}.") from None
+            numel = int(np.prod(dims)) if dims else 1
+            if dims and dims[0] % block_size:
+                raise cur.fail(f"tensor {name!r} row of {dims[0]} is not a multiple of the block size {block_size}")
+            nbytes = numel // block_size * type_size
+            start = data_start + offset
+            if start + nbytes > file_size:
+                raise ValueError(
+                    f"GGUF file {path!r} is truncated or corrupt: tensor {name!r} needs bytes "
+                    f"[{start}, {start + nbytes}) but the file has {file_size} bytes."
+                )
+            gguf_file.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
+        return gguf_file
+    finally:
+        buf.close()
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows (it uses GPT-J style rope; HF Llama uses halves)."""
+    d = w.shape[0]
+    if w.ndim == 1:
+        return w.reshape(n_head, d // n_head // 2, 2).swapaxes(1, 2).reshape(d)
+    d_in = w.shape[1]
+    return w.reshape(n_head, d // n_head // 2, 2, d_in).swapaxes(1, 2).reshape(d, d_in)
+
+
+def _arch_key(meta: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
+    return meta.get(f"{arch}.{key}", default)
+
+
+def check_gguf_supported(gguf_file: GGUFFile) -> None:
+    arch = gguf_file.architecture
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r} has architecture {arch!r}; pagedllm loads GGUF models of architecture "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} only (use a Hugging Face folder for others)."
+        )
+    if "rope_freqs.weight" in gguf_file.tensors:
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r} carries per-frequency rope factors (rope_freqs, Llama-3.1 style rope "
+            "scaling), which the GGUF loader does not support; load the Hugging Face checkpoint instead."
+        )
+    scaling = _arch_key(gguf_file.metadata, arch, "rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"GGUF file {gguf_file.path!r}: rope scaling type {scaling!r} is not supported.")
+
+
+def gguf_to_hf_config(gguf_file: GGUFFile) -> Any:
+    """A transformers ``LlamaConfig`` equivalent to the GGUF metadata (no tensor data is read)."""
+    from transformers import LlamaConfig
+
+    check_gguf_supported(gguf_file)
+    meta = gguf_file.metadata
+    arch = gguf_file.architecture
+    try:
+        hidden = int(_arch_key(meta, arch, "embedding_length"))
+        n_head = int(_arch_key(meta, arch, "attention.head_count"))
+        n_layers = int(_arch_key(meta, arch, "block_count"))
+        ffn = int(_arch_key(meta, arch, "feed_forward_length"))
+    except TypeError:
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r} lacks required {arch}.* metadata "
+            "(embedding_length, attention.head_count, block_count, feed_forward_length)."
+        ) from None
+    n_kv = int(_arch_key(meta, arch, "attention.head_count_kv", n_head))
+    head_dim = int(_arch_key(meta, arch, "attention.key_length", hidden // n_head))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = int(_arch_key(meta, arch, "vocab_size", len(tokens) if tokens else 0))
+    if not vocab_size:
+        if "token_embd.weight" not in gguf_file.tensors:
+            raise ValueError(f"GGUF file {gguf_file.path!r} has neither a vocabulary nor token_embd.weight.")
+        vocab_size = gguf_file.tensors["token_embd.weight"].shape[0]
+    rope_parameters: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(_arch_key(meta, arch, "rope.freq_base", 10000.0)),
+    }
+    if _arch_key(meta, arch, "rope.scaling.type") == "linear":
+        rope_parameters.update(rope_type="linear", factor=float(_arch_key(meta, arch, "rope.scaling.factor", 1.0)))
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        max_position_embeddings=int(_arch_key(meta, arch, "context_length", 2048)),
+        rms_norm_eps=float(_arch_key(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in gguf_file.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf_file.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        architectures=["LlamaForCausalLM"],
+    )
+    return config
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part in _LAYER_NAMES and layer.isdigit():
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    elif stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the Llama model (unsupported variant?).")
+
+
+def iter_gguf_weights(gguf_file: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor, dequantized and with q/k rows un-permuted."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    check_gguf_supported(gguf_file)
+    meta = gguf_file.metadata
+    arch = gguf_file.architecture
+    n_head = int(_arch_key(meta, arch, "attention.head_count"))
+    n_kv = int(_arch_key(meta, arch, "attention.head_count_kv", n_head))
+    data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
+    for info in gguf_file.tensors.values():
+        hf_name = gguf_name_to_hf(info.name)
+        qtype = GGMLQuantizationType(info.ggml_type)
+        raw = data[info.offset:info.offset + info.nbytes]
+        if qtype == GGMLQuantizationType.F32:
+            w = np.array(raw).view(np.float32).reshape(info.shape)  # a copy: torch wants writable memory
+        else:
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            rows = raw.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+            try:
+                w = dequantize(np.asarray(rows), qtype)
+            except NotImplementedError as e:
+                raise ValueError(
+                    f"GGUF file {gguf_file.path!r}: tensor {info.name!r} uses {qtype.name}, which the gguf package "
+                    f"cannot dequantize ({e})."
+                ) from None
+            w = w.astype(np.float32, copy=False).reshape(info.shape)
+        if ".attn_q." in info.name:
+            w = _unpermute_rope_rows(w, n_head)
+        elif ".attn_k." in info.name:
+            w = _unpermute_rope_rows(w, n_kv)
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))

