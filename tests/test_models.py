@@ -226,3 +226,35 @@ def test_gguf_names_and_dequantized_weights(default_model) -> None:
     name, tensor = next(iter_gguf_weights(gguf_file))
     assert name == "model.embed_tokens.weight"
     assert tensor.dtype == torch.float32 and tensor.shape == (49152, 576)
+
+
+def test_default_model_greedy_generation_equals_transformers(hf_default_model) -> None:
+    """The engine end to end (paged cache, continuous batching) against HF generate on the same GGUF."""
+    from conftest import assert_no_leaks
+
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory="256MiB", block_size=16)
+    tokenizer = llm.get_tokenizer()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Hi",
+        "Once upon a time, in a land far away, there lived a",
+        "List three colours:",
+        "Translate to French: I like cheese.",
+        "The PagedAttention algorithm stores keys and values in",
+        "1, 2, 3, 4,",
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    hf_default_model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        for ids, got in zip(prompts, ours):
+            out = hf_default_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=32, do_sample=False, pad_token_id=2,
+            )
+            assert got == out[0, len(ids):].tolist()
+    assert_no_leaks(llm)

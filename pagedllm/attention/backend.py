@@ -6,8 +6,10 @@ KV cache layout per layer: ``k_cache`` and ``v_cache`` shaped
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` makes the slot a row index, so the
 "reshape and write into the cache" step is a single ``index_copy_``.
 
-Reads go through the block table every step: a decode step gathers each sequence's blocks
-into a temporary tensor for that step only; nothing contiguous is kept between steps.
+Reads go through the block table every step. On CPU a decode step runs our C++ kernel
+(attention/csrc), which reads each sequence's blocks in place; elsewhere, or when the kernel is
+unavailable, the torch-native path gathers the blocks into a temporary tensor for that step
+only. Nothing contiguous is kept between steps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.attention.cpu_kernels import paged_decode_attention
 
 
 @dataclass
@@ -68,6 +72,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # The fused C++ kernel reads blocks in place on CPU; tests switch it off to compare paths.
+        self.use_cpu_kernel = True
 
     def forward(
         self,
@@ -127,6 +133,12 @@ class PagedAttention(nn.Module):
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query per sequence, attending over all of its blocks."""
+        if self.use_cpu_kernel:
+            out = paged_decode_attention(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, self.scale
+            )
+            if out is not None:
+                return out
         length = meta.max_context_len
         k = gather_from_cache(kv_cache[0], meta.block_tables, length).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_from_cache(kv_cache[1], meta.block_tables, length).transpose(1, 2)

@@ -1,0 +1,72 @@
+"""Our C++ CPU kernel for paged decode attention, built with torch's cpp_extension.
+
+Built once per machine (about a minute; ``scripts/install.sh`` does it at install time), cached
+by torch under ``TORCH_EXTENSIONS_DIR``. If it cannot be built (no compiler, no ninja), the
+torch-native path in backend.py runs instead; it stays the reference either way.
+Set ``PAGEDLLM_CPU_KERNEL=0`` to force the torch-native path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load_cpu_kernels(verbose: bool = False):
+    """The compiled module, or None when it is disabled or cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if os.environ.get("PAGEDLLM_CPU_KERNEL", "1") == "0":
+            _failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            _module = load(
+                name="pagedllm_cpu_attention",
+                sources=[_SOURCE],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=verbose,
+            )
+        except Exception as exc:  # a missing toolchain must not take the engine down
+            logger.warning("CPU paged-attention kernel unavailable (%s); using the torch-native path.", exc)
+            _failed = True
+    return _module
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """[B, Hq, D] attention output, or None when the kernel cannot serve this call."""
+    if query.device.type != "cpu":
+        return None
+    module = load_cpu_kernels()
+    if module is None:
+        return None
+    return module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+if __name__ == "__main__":
+    # `python -m pagedllm.attention.cpu_kernels` builds the kernel ahead of time.
+    logging.basicConfig(level=logging.INFO)
+    print("CPU kernel:", "built" if load_cpu_kernels(verbose=True) is not None else "unavailable")
