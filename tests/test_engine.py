@@ -172,3 +172,21 @@ def _shared_llm(model_dir: str) -> LLM:
     if model_dir not in _LLM_CACHE:
         _LLM_CACHE[model_dir] = LLM(model=model_dir, num_kv_blocks=128, block_size=8)
     return _LLM_CACHE[model_dir]
+
+
+def test_outputs_identical_across_allocation_and_batching_policies(llama_dir):
+    """The paper's baselines change memory and timing only, never the tokens."""
+    prompts = _prompts(384)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = None
+    for kv_allocation in ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"):
+        for batching in ("iteration", "request"):
+            llm = LLM(model=llama_dir, num_kv_blocks=64, block_size=4, kv_allocation=kv_allocation,
+                      batching=batching, max_model_len=128, track_kv_waste=True)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if expected is None:
+                expected = got
+            assert got == expected, (kv_allocation, batching)
+            waste = llm.llm_engine.get_stats()["kv_waste"]
+            assert waste is not None
+            assert_no_leaks(llm)

@@ -247,10 +247,12 @@ def test_paging_batches_more_requests_than_contiguous_max() -> None:
             engine.add(f"r{i}", 6, 6)
         engine.run()
         batch[policy] = engine.max_running
-    # 32 blocks of 4 = 128 slots; max reserves 64 slots per request, oracle 11 (3 blocks), pow2 13 (4).
+    # 32 blocks of 4 = 128 slots; max reserves 64 slots per request, pow2 13 (4 blocks), oracle 11
+    # (3 blocks) -- but a 3-block run needs a free aligned 4-block chunk, so each leaves a 1-block
+    # hole no later run can use: the buddy's external fragmentation.
     assert batch["contiguous-max"] == 2
     assert batch["contiguous-pow2"] == 8
-    assert batch["contiguous-oracle"] == 10
+    assert batch["contiguous-oracle"] == 8
     assert batch["paged"] == 12
 
 

@@ -104,12 +104,16 @@ class ContiguousBlockManager:
         return limit if max_tokens is None else min(max_tokens, limit)
 
     def _run_blocks(self, group: SequenceGroup, seq: Sequence | None = None) -> int:
-        # A sequence can never outgrow the pool (the engine caps it there too), so neither may its run.
-        max_len = min(self.max_model_len, self.num_gpu_blocks * self.block_size)
+        # A run can never be larger than the largest chunk of an empty buddy pool (the largest
+        # power of two of blocks in it); the engine caps sequences at the pool too.
+        max_len = min(self.max_model_len, self._max_run_blocks() * self.block_size)
         slots = reservation_tokens(self.policy, len(group.prompt_token_ids), self._output_len(group), max_len)
         if seq is not None:
             slots = max(slots, seq.get_len())  # a resumed sequence may already be longer
         return _cdiv(slots, self.block_size)
+
+    def _max_run_blocks(self) -> int:
+        return 1 << (self.num_gpu_blocks.bit_length() - 1) if self.num_gpu_blocks else 0
 
     def _group_runs(self, group: SequenceGroup) -> list[int]:
         """Run sizes (blocks) the group's waiting sequences need, plus spares for unforked samples."""
@@ -131,9 +135,15 @@ class ContiguousBlockManager:
         sizes = self._group_runs(seq_group)
         total = sum(sizes)
         num_tokens = sum(seq.get_len() for seq in seq_group.get_seqs(SequenceStatus.WAITING))
-        if total > self.num_gpu_blocks:
+        if total > self.num_gpu_blocks or max(sizes, default=0) > self._max_run_blocks():
             return AllocStatus.NEVER, total, num_tokens
-        return (AllocStatus.OK if self._fits(sizes) else AllocStatus.LATER), total, num_tokens
+        if self._fits(sizes):
+            return AllocStatus.OK, total, num_tokens
+        # Runs that do not fit even in an empty pool (buddy alignment) would wait forever.
+        empty = BuddyAllocator(self.num_gpu_blocks)
+        if not all(empty.allocate(size) is not None for size in sizes):
+            return AllocStatus.NEVER, total, num_tokens
+        return AllocStatus.LATER, total, num_tokens
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
         return self.check_allocation(seq_group)[0]
@@ -174,7 +184,7 @@ class ContiguousBlockManager:
         needed = _cdiv(seq.get_len(), self.block_size)
         if needed <= run.num_blocks:
             return 0
-        cap = min(_cdiv(self.max_model_len, self.block_size), self.num_gpu_blocks)
+        cap = min(_cdiv(self.max_model_len, self.block_size), self._max_run_blocks())
         return max(needed, min(2 * run.num_blocks, max(cap, needed)))
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
