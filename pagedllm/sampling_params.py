@@ -73,9 +73,12 @@ class SamplingParams:
             f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.",
         )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
         )
         _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         _check(
@@ -99,7 +102,10 @@ class SamplingParams:
             self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}.",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop must be a non-empty string or a list of them.")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop_strings),
+            "stop must be a non-empty string or a list of them.",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
@@ -108,7 +114,14 @@ class SamplingParams:
             self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}."
         )
         if self.use_beam_search:
+            # Beam search is deterministic (HF's do_sample=False): temperature, top_p, top_k, min_p
+            # and seed are ignored. Beams end on EOS and stop_token_ids only, as HF's eos list does.
             _check(self.best_of > 1 or self.n == 1, "beam search needs best_of (the beam width) > 1.")
+            _check(
+                self.beam_width is None or self.beam_width == self.best_of,
+                f"beam_width ({self.beam_width}) and best_of ({self.best_of}) disagree; give one of them.",
+            )
+            _check(not self.stop_strings, "stop strings are not supported with beam search; use stop_token_ids.")
             _check(
                 self.early_stopping in (True, False, "never"),
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.",

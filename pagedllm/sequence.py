@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -153,6 +154,9 @@ class SequenceGroup:
         # The true output length, known only in experiments (a trace supplies it): the
         # contiguous-oracle and contiguous-pow2 policies reserve from it (core/policies.py).
         self.oracle_output_len: int | None = None
+        # Beam search's per-request state (pagedllm/engine/beam_search.py), None for other requests.
+        # Kept here so it lives and dies with the request, whatever path ends it.
+        self.beam_state: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -74,7 +74,9 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[N, V]``.
 
         ``generator`` serves the rows that have none of their own (None -> torch's default).
-        ``return_full_logprobs`` also returns the ``[N, V]`` raw logprobs.
+        ``return_full_logprobs`` also returns the ``[N, V]`` raw logprobs; so does any beam-search
+        row (the engine ranks beam candidates with them). A beam-search row draws no random number:
+        its token is chosen by the engine, and it must not shift other rows' draws.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given.")
@@ -90,7 +92,8 @@ class Sampler:
         needs_presence_frequency = any(
             row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0 for row in rows
         )
-        all_greedy = all(row.params.is_greedy for row in rows)
+        return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
+        all_greedy = all(_is_deterministic(row.params) for row in rows)
         if all_greedy and banned is None and not needs_repetition and not needs_presence_frequency:
             token_ids = logits.argmax(dim=-1)  # fast path: argmax of logits == argmax of logprobs
         else:
@@ -145,8 +148,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
         device = logits.device
         token_ids = torch.empty(len(rows), dtype=torch.int64, device=device)
-        greedy_index = [i for i, row in enumerate(rows) if row.params.is_greedy]
-        sample_index = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        greedy_index = [i for i, row in enumerate(rows) if _is_deterministic(row.params)]
+        sample_index = [i for i, row in enumerate(rows) if not _is_deterministic(row.params)]
         if greedy_index:
             index = torch.as_tensor(greedy_index, device=device)
             token_ids[index] = logits[index].argmax(dim=-1)
@@ -217,6 +220,11 @@ class Sampler:
                     entry.setdefault(token_id, value)
             result.append(entry)
         return result
+
+
+def _is_deterministic(params: SamplingParams) -> bool:
+    # Beam search is deterministic (HF's do_sample=False) whatever its temperature says.
+    return params.is_greedy or params.use_beam_search
 
 
 def _draw_uniform(count: int, generator: torch.Generator | None) -> torch.Tensor:
