@@ -45,6 +45,23 @@ def run_pagedllm(llm: LLM, requests) -> tuple[float, int]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def comm_delta(before: dict, after: dict, elapsed: float) -> dict[str, float]:
+    """Tensor-parallel communication of one run: seconds in collectives, per step, share of the run."""
+    steps = after["steps"] - before["steps"]
+    comm = after["tp_comm_s"] - before["tp_comm_s"]
+    sent = after["tp_broadcast_bytes"] - before["tp_broadcast_bytes"]
+    return {
+        "comm_s": comm,
+        "all_reduce_s": after["tp_all_reduce_s"] - before["tp_all_reduce_s"],
+        "gather_s": after["tp_gather_s"] - before["tp_gather_s"],
+        "broadcast_s": after["tp_broadcast_s"] - before["tp_broadcast_s"],
+        "comm_ms_per_step": 1e3 * comm / max(steps, 1),
+        "comm_share": comm / elapsed,
+        "message_bytes_per_step": sent / max(steps, 1),
+        "steps": steps,
+    }
+
+
 def load_hf_model(model: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -92,6 +109,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (per rank)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one pagedllm run")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
@@ -103,6 +121,8 @@ def main() -> None:
     )
     if args.tensor_parallel_size != 1:
         llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.num_threads is not None:
+        llm_kwargs["num_threads"] = args.num_threads
     llm = LLM(**llm_kwargs)
     vocab = llm.llm_engine.vocab_size
     requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
@@ -127,11 +147,22 @@ def main() -> None:
     results: dict[str, list[float]] = {"pagedllm": []}
     for batch_size in args.hf_batch_sizes:
         results[f"transformers_bs{batch_size}"] = []
+    comm_runs: list[dict[str, float]] = []
     for repeat in range(args.repeats):
+        before = llm.llm_engine.get_stats()
         elapsed, produced = run_pagedllm(llm, requests)
         assert produced == total_out, (produced, total_out)
         results["pagedllm"].append(produced / elapsed)
         print(f"[{repeat}] pagedllm: {len(requests) / elapsed:.2f} req/s, {produced / elapsed:.1f} output tok/s")
+        if args.tensor_parallel_size > 1:
+            comm = comm_delta(before, llm.llm_engine.get_stats(), elapsed)
+            comm_runs.append(comm)
+            print(
+                f"    tensor parallel: {comm['comm_s']:.2f} s in collectives ({100 * comm['comm_share']:.0f}% of the"
+                f" run; all-reduce {comm['all_reduce_s']:.2f} s, gather {comm['gather_s']:.2f} s, broadcast"
+                f" {comm['broadcast_s']:.2f} s), {comm['comm_ms_per_step']:.2f} ms/step over {comm['steps']} steps,"
+                f" {comm['message_bytes_per_step']:.0f} B control message/step"
+            )
         for batch_size in args.hf_batch_sizes:
             elapsed, useful = run_hf(hf_model, requests, batch_size, pad_id)
             results[f"transformers_bs{batch_size}"].append(useful / elapsed)
@@ -147,7 +178,7 @@ def main() -> None:
         print(f"pagedllm / best transformers ({best}): {medians['pagedllm'] / medians[best]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tok_per_s": results, "median": medians}, f, indent=2)
+            json.dump({"args": vars(args), "tok_per_s": results, "median": medians, "tp_comm": comm_runs}, f, indent=2)
 
 
 if __name__ == "__main__":

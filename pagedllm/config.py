@@ -117,4 +117,10 @@ class EngineArgs:
     kv_allocation: str = "paged"
     batching: str = "iteration"
     track_kv_waste: bool = False
+    # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
+    tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")

@@ -18,6 +18,7 @@ import torch
 from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
 from pagedllm.detokenizer import detokenize_incrementally
+from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
 from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model_config, load_tokenizer
@@ -46,6 +47,7 @@ class LLMEngine:
         device: torch.device,
         seed: int = 0,
         num_threads: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -54,7 +56,15 @@ class LLMEngine:
         self.device = device
         self.seed = seed
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.worker = Worker(
+        self.tensor_parallel_size = tensor_parallel_size
+        worker_class: Any = Worker
+        worker_kwargs: dict[str, Any] = {}
+        if tensor_parallel_size > 1:
+            # Same interface as Worker; rank 0 (here) broadcasts each step to ranks 1..N-1.
+            from pagedllm.distributed.executor import MultiprocExecutor
+
+            worker_class, worker_kwargs = MultiprocExecutor, {"world_size": tensor_parallel_size}
+        self.worker = worker_class(
             model_config,
             cache_config,
             device,
@@ -62,6 +72,7 @@ class LLMEngine:
             scheduler_config.max_num_batched_tokens,
             seed=seed,
             num_threads=num_threads,
+            **worker_kwargs,
         )
         self.num_gpu_blocks = self.worker.num_gpu_blocks
         self.num_cpu_blocks = self.worker.num_cpu_blocks
@@ -69,8 +80,15 @@ class LLMEngine:
         self.vocab_size = model_config.hf_config.vocab_size
         # A sequence can never grow past the pool: cap its length there so it ends ("length")
         # instead of preempting itself forever.
-        self.max_seq_len = min(model_config.max_model_len, self.num_gpu_blocks * cache_config.block_size)
+        pool_blocks = self.num_gpu_blocks
+        if scheduler_config.kv_allocation != "paged":
+            # A contiguous run comes from a buddy allocator: at most the largest power of two.
+            pool_blocks = 1 << (pool_blocks.bit_length() - 1)
+        self.max_seq_len = min(model_config.max_model_len, pool_blocks * cache_config.block_size)
         self._seq_counter = itertools.count()
+        self.beam_searcher = BeamSearcher(
+            self.scheduler, tokenizer, self.eos_token_id, self.max_seq_len, lambda: next(self._seq_counter)
+        )
         self._request_counter = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -100,8 +118,14 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=args.preemption_mode,
+            kv_allocation=args.kv_allocation,
+            batching=args.batching,
+            track_kv_waste=args.track_kv_waste,
         )
-        return cls(model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads)
+        return cls(
+            model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -182,7 +206,9 @@ class LLMEngine:
                 tokens = seq.get_token_ids()[seq.num_computed_tokens :]
                 # The prompt step of a group with best_of > 1 samples best_of first tokens from
                 # the one computed prompt; the extra samples become forks sharing its blocks.
-                num_samples = params.best_of if (sched.is_prefill and not seq.output_token_ids) else 1
+                # Beam search instead ranks candidates from each beam's one row.
+                is_first = sched.is_prefill and not seq.output_token_ids and not params.use_beam_search
+                num_samples = params.best_of if is_first else 1
                 row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator)
                 seqs.append(
                     SeqStepInput(
@@ -212,15 +238,21 @@ class LLMEngine:
                 group.metrics.first_scheduled_time = now
                 group.metrics.time_in_queue = now - group.metrics.arrival_time
             running = group.get_seqs(SequenceStatus.RUNNING)
+            beam_rows: list[int] = []
             for seq in running:
                 was_prompt = not seq.output_token_ids
                 if was_prompt:
                     self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
                 seq.num_computed_tokens = seq.get_len()
                 block_manager.mark_computed(seq)
-                num_samples = group.sampling_params.best_of if (sched.is_prefill and was_prompt) else 1
+                params = group.sampling_params
+                is_first = sched.is_prefill and was_prompt and not params.use_beam_search
+                num_samples = params.best_of if is_first else 1
                 samples = list(range(row, row + num_samples))
                 row += num_samples
+                if params.use_beam_search:
+                    beam_rows.extend(samples)  # the beams advance together, below
+                    continue
                 children = [seq]
                 for _ in samples[1:]:
                     child = seq.fork(next(self._seq_counter))
@@ -229,6 +261,9 @@ class LLMEngine:
                     children.append(child)
                 for target, index in zip(children, samples):
                     self._append_token(group, target, sampler_output, index)
+            if beam_rows:
+                logprobs = sampler_output.full_logprobs[beam_rows]
+                self.num_generation_tokens += self.beam_searcher.step(group, running, logprobs)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now
@@ -256,7 +291,9 @@ class LLMEngine:
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
         seqs = group.get_seqs()
-        if group.is_finished() and params.best_of > params.n:
+        if params.use_beam_search:
+            seqs = ranked_outputs(group)  # the best n hypotheses, by length-penalised score
+        elif group.is_finished() and params.best_of > params.n:
             # best_of: return the n candidates with the highest cumulative log-probability.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
         completions = [
@@ -292,4 +329,13 @@ class LLMEngine:
             generation_tokens=self.num_generation_tokens,
             steps=self.num_steps,
         )
+        comm_stats = getattr(self.worker, "comm_stats", None)
+        if comm_stats is not None:  # tensor parallelism: time in collectives, control message size
+            stats.update(comm_stats())
         return stats
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (idempotent; a single-process engine has nothing to stop)."""
+        shutdown = getattr(self.worker, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -25,8 +25,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument(
+        "--kv-allocation", default="paged",
+        choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"],
+        help="paged blocks (ours) or one of the paper's contiguous reservation baselines",
+    )
+    group.add_argument("--batching", default="iteration", choices=["iteration", "request"],
+                       help="iteration-level (continuous) or request-level (static) batching")
+    group.add_argument("--track-kv-waste", action="store_true", help="account KV memory waste every step")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many ranks (worker processes, or torchrun's)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,7 +54,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
+        kv_allocation=args.kv_allocation,
+        batching=args.batching,
+        track_kv_waste=args.track_kv_waste,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -145,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    from pagedllm.entrypoints.simulate_cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

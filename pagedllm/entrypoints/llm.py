@@ -34,6 +34,9 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a GGUF file.
     kv_cache_memory: bytes (or "2GiB") for the KV pool; num_kv_blocks sets the block count instead.
+    tensor_parallel_size: split the model over this many processes (ranks); they start here, or
+    come from torchrun (see pagedllm.distributed). Stop them with ``llm.llm_engine.shutdown()``
+    (they also stop when this process exits).
     """
 
     def __init__(
@@ -53,6 +56,10 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         num_threads: int | None = None,
+        tensor_parallel_size: int = 1,
+        kv_allocation: str = "paged",
+        batching: str = "iteration",
+        track_kv_waste: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -73,6 +80,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             num_threads=num_threads,
+            tensor_parallel_size=tensor_parallel_size,
+            kv_allocation=kv_allocation,
+            batching=batching,
+            track_kv_waste=track_kv_waste,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 

@@ -37,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                        help="How preempted sequences come back.")
     group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch.")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="Split the model over this many ranks (worker processes, or torchrun's).")
 
 
 def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
@@ -94,6 +96,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -14,6 +14,14 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.models.layers import WeightLoader, get_activation
+from pagedllm.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_logits,
+)
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
@@ -22,20 +30,22 @@ class GPT2Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.hidden_size = hidden
+        total_heads = config.num_attention_heads
+        self.head_dim = hidden // total_heads
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        # HF stores q, k, v stacked in one c_attn tensor; the layer splits it per part, then per rank.
+        self.c_attn = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=True)
+        self.num_heads = self.c_attn.num_local_heads
+        self.local_size = self.num_heads * self.head_dim
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=scale)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
     ) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).split(self.hidden_size, dim=-1)
+        q, k, v = self.c_attn(hidden).split(self.local_size, dim=-1)
         return self.c_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -44,8 +54,8 @@ class GPT2MLP(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         inner = getattr(config, "n_inner", None) or 4 * hidden
-        self.c_fc = nn.Linear(hidden, inner)
-        self.c_proj = nn.Linear(inner, hidden)
+        self.c_fc = ColumnParallelLinear(hidden, inner, bias=True)
+        self.c_proj = RowParallelLinear(inner, hidden, bias=True)
         self.act = get_activation(getattr(config, "activation_function", "gelu_new"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +84,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
@@ -101,7 +111,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
 
     def forward(
         self,
@@ -112,9 +122,9 @@ class GPT2LMHeadModel(nn.Module):
     ) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
+        return lm_logits(hidden, self.transformer.wte if self.tie_word_embeddings else self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (with or without the ``transformer.`` prefix); Conv1D weights are transposed."""

@@ -144,11 +144,14 @@ class WeightLoader:
                 fused = name.replace(marker, f".{dst}.")
                 module_name, _, param_kind = fused.rpartition(".")
                 module = self.modules.get(module_name)
-                if not isinstance(module, MergedLinear) or fused not in self.params:
+                if not hasattr(module, "shard_slices") or fused not in self.params:
                     raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
-                offset, size = module.shard_slices[shard]
-                target = self.params[fused].data[offset:offset + size]
-                self._copy(name, target, tensor)
+                if hasattr(module, "weight_loader"):
+                    # A tensor-parallel layer: it cuts this rank's slice of the shard itself.
+                    self._load_with(module, name, self.params[fused], tensor, shard)
+                else:
+                    offset, size = module.shard_slices[shard]
+                    self._copy(name, self.params[fused].data[offset:offset + size], tensor)
                 seen = self._shards_seen.setdefault(fused, set())
                 seen.add(shard)
                 if len(seen) == len(module.shard_slices):
@@ -156,8 +159,19 @@ class WeightLoader:
                 return
         if name not in self.params:
             raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
-        self._copy(name, self.params[name].data, tensor)
+        module = self.modules.get(name.rpartition(".")[0])
+        if module is not None and hasattr(module, "weight_loader"):
+            self._load_with(module, name, self.params[name], tensor, None)
+        else:
+            self._copy(name, self.params[name].data, tensor)
         self.loaded.add(name)
+
+    @staticmethod
+    def _load_with(module: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        try:
+            module.weight_loader(param, tensor, shard)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"Checkpoint tensor {name!r} (shape {tuple(tensor.shape)}) does not fit: {exc}") from exc
 
     @staticmethod
     def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -15,7 +15,6 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.models.layers import (
-    MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     WeightLoader,
@@ -24,24 +23,35 @@ from pagedllm.models.layers import (
     get_activation,
     rope_parameters,
 )
+from pagedllm.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_logits,
+)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         # Qwen2 always has q/k/v biases and never an o_proj bias; Llama's attention_bias covers all four.
         is_qwen2 = getattr(config, "model_type", "") == "qwen2"
         qkv_bias = attention_bias or is_qwen2
         o_bias = attention_bias and not is_qwen2
-        self.qkv_proj = MergedLinear(hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        # Under tensor parallelism this rank computes only its heads (and their KV heads).
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
     def forward(
@@ -67,10 +77,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = get_activation(getattr(config, "hidden_act", "silu"))
-        self.intermediate_size = inter
+        self.intermediate_size = self.gate_up_proj.shard_slices["gate"][1]  # this rank's part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -105,7 +115,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
 
@@ -152,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
 
     def forward(
         self,
@@ -163,9 +173,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
+        return lm_logits(hidden, self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names loaded, raises ValueError if any is missing."""

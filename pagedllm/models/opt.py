@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.models.layers import MergedLinear, WeightLoader, get_activation
+from pagedllm.models.layers import WeightLoader, get_activation
+from pagedllm.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_logits,
+)
 
 # OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
 POSITION_OFFSET = 2
@@ -23,18 +31,19 @@ class OPTAttention(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.hidden_size = hidden
+        total_heads = config.num_attention_heads
+        self.head_dim = hidden // total_heads
         bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.local_size = self.num_heads * self.head_dim
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.hidden_size, dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.local_size, dim=-1)
         return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -47,8 +56,8 @@ class OPTDecoderLayer(nn.Module):
         self.do_layer_norm_before = bool(config.do_layer_norm_before)
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.act = get_activation(config.activation_function)
 
@@ -72,7 +81,7 @@ class OPTDecoder(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         proj_dim = getattr(config, "word_embed_proj_dim", None) or hidden
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden)
         self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
         self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
@@ -121,7 +130,7 @@ class OPTForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             proj_dim = getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size
-            self.lm_head = nn.Linear(proj_dim, hf_config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, proj_dim)
 
     def forward(
         self,
@@ -132,9 +141,9 @@ class OPTForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
+        return lm_logits(hidden, self.model.decoder.embed_tokens if self.tie_word_embeddings else self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (``model.decoder.*``, or the original ``decoder.*``)."""

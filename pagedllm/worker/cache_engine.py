@@ -23,10 +23,13 @@ _CPU_DEFAULT_CAP = 4 << 30
 _GPU_MEMORY_UTILIZATION = 0.9
 
 
-def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one physical block takes across all layers, K and V."""
+def kv_block_bytes(
+    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes one physical block takes across all layers, K and V (of this rank's KV heads under tensor parallelism)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+    heads = num_kv_heads or model_config.num_kv_heads
+    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * elem
 
 
 def available_host_memory() -> int:
@@ -41,12 +44,21 @@ def available_host_memory() -> int:
 
 
 def decide_num_gpu_blocks(
-    model_config: ModelConfig, cache_config: CacheConfig, device: torch.device, dtype: torch.dtype
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_heads: int | None = None,
+    host_share: int = 1,
 ) -> int:
-    """Explicit count, else a byte budget, else what free memory allows (measured after warm-up)."""
+    """Explicit count, else a byte budget, else what free memory allows (measured after warm-up).
+
+    num_kv_heads: this rank's KV heads (tensor parallelism); host_share: processes sharing this
+    host's memory for their CPU pools (the default CPU budget is split between them).
+    """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype)
+    block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads)
     if cache_config.kv_cache_memory is not None:
         budget = cache_config.kv_cache_memory
     elif device.type == "cuda":
@@ -54,7 +66,7 @@ def decide_num_gpu_blocks(
         used_elsewhere = total - free
         budget = int(total * _GPU_MEMORY_UTILIZATION) - used_elsewhere
     else:
-        budget = min(int(available_host_memory() * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_CAP)
+        budget = min(int(available_host_memory() * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_CAP) // max(host_share, 1)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(

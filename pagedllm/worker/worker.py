@@ -7,9 +7,12 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.distributed.parallel_state import TensorParallelState, building_with, get_active_tp_state
 from pagedllm.models.loader import build_model
+from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import Sampler, SamplerOutput
 from pagedllm.worker.cache_engine import CacheEngine, decide_num_gpu_blocks, kv_block_bytes
 from pagedllm.worker.model_runner import ModelRunner, StepInput
@@ -30,6 +33,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 class Worker:
+    """One tensor-parallel rank (rank 0 of 1 without tensor parallelism).
+
+    With world_size > 1 the process group must already be set up (pagedllm.distributed): the
+    model is built from it as this rank's shard, the KV pool holds this rank's KV heads, and the
+    pool's block count is the minimum over ranks, so every rank can store every block id.
+    Only rank 0 samples; the others run the forward pass and their part of the logits.
+    """
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -39,14 +50,23 @@ class Worker:
         max_num_batched_tokens: int,
         seed: int = 0,
         num_threads: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        tp_state = get_active_tp_state() if world_size > 1 else TensorParallelState()
+        if tp_state is None or tp_state.world_size != world_size or tp_state.rank != rank:
+            raise RuntimeError(f"Worker rank {rank} of {world_size}: the tensor-parallel group is not set up.")
+        self.tp_state = tp_state
+        self.rank = rank
+        self.world_size = world_size
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
         self.model_config = model_config
         self.cache_config = cache_config
         start = time.perf_counter()
-        self.model = build_model(model_config, device)
+        with building_with(tp_state):  # this rank's shard (the whole model when world_size is 1)
+            self.model = build_model(model_config, device)
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         vocab_size = self.model_config.hf_config.vocab_size
         self.sampler = Sampler(eos_token_id=eos_token_id, vocab_size=vocab_size)
@@ -56,15 +76,22 @@ class Worker:
             self.runner.profile_run(min(max_num_batched_tokens, model_config.max_model_len))
             torch.cuda.synchronize(device)
         dtype = model_config.dtype
-        self.num_gpu_blocks = decide_num_gpu_blocks(model_config, cache_config, device, dtype)
-        block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype)
+        num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, world_size)
+        host_share = world_size if device.type == "cpu" else 1
+        self.num_gpu_blocks = decide_num_gpu_blocks(model_config, cache_config, device, dtype, num_kv_heads, host_share)
+        block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads)
         if cache_config.num_cpu_blocks is not None:
             self.num_cpu_blocks = cache_config.num_cpu_blocks
         else:
             # The paper bounds the swap space by the device pool: more could never be used.
             self.num_cpu_blocks = min(cache_config.swap_space // block_bytes, self.num_gpu_blocks)
+        if world_size > 1:
+            # One block manager on rank 0 hands out ids every rank must hold: size by the smallest rank.
+            counts = torch.tensor([self.num_gpu_blocks, self.num_cpu_blocks], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_state.control_group)
+            self.num_gpu_blocks, self.num_cpu_blocks = (int(v) for v in counts.tolist())
         self.cache_engine = CacheEngine(
-            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype
+            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads
         )
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -77,4 +104,15 @@ class Worker:
         self.cache_engine.copy_blocks(step.blocks_to_copy)
         if not step.seqs:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+        if self.rank != 0:
+            return self._execute_shard(step)
         return self.runner.execute(step, self.cache_engine.kv_caches, self.generator)
+
+    @torch.inference_mode()
+    def _execute_shard(self, step: StepInput) -> SamplerOutput:
+        """A non-zero rank: the forward pass and its slice of the logits (gathered on rank 0), no sampling."""
+        input_ids, positions, meta, sample_indices = self.runner.prepare(step)
+        hidden = self.model(input_ids, positions, self.cache_engine.kv_caches, meta)
+        if sample_indices.numel():
+            self.model.compute_logits(hidden.index_select(0, sample_indices))
+        return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
