@@ -7,59 +7,8 @@ import logging
 import sys
 import time
 
+from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from_cli
 from pagedllm.sampling_params import SamplingParams
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every engine setting as a flag (shared by generate, chat and serve)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2-135M)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, bytes or e.g. 2GiB")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins)")
-    group.add_argument("--swap-space", default="0", help="CPU swap pool for preempted blocks, e.g. 1GiB")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    group.add_argument(
-        "--kv-allocation", default="paged",
-        choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"],
-        help="paged blocks (ours) or one of the paper's contiguous reservation baselines",
-    )
-    group.add_argument("--batching", default="iteration", choices=["iteration", "request"],
-                       help="iteration-level (continuous) or request-level (static) batching")
-    group.add_argument("--track-kv-waste", action="store_true", help="account KV memory waste every step")
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
-    group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over this many ranks (worker processes, or torchrun's)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        swap_space=args.swap_space,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        device=args.device,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        kv_allocation=args.kv_allocation,
-        batching=args.batching,
-        track_kv_waste=args.track_kv_waste,
-        num_threads=args.num_threads,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     params = sampling_params_from(args)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM.from_engine_args(engine_args_from_cli(args))
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
@@ -119,7 +68,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     params = sampling_params_from(args)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM.from_engine_args(engine_args_from_cli(args))
     conversation: list[dict[str, str]] = []
     if args.system:
         conversation.append({"role": "system", "content": args.system})

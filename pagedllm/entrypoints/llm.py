@@ -87,6 +87,13 @@ class LLM:
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM over settings already gathered (the command line builds EngineArgs)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(engine_args)
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -68,7 +68,7 @@ class ModelRunner:
                 sample_indices.extend([query_start_loc[-1] - 1] * seq.num_samples)
         max_context_len = max(context_lens)
         max_blocks = -(-max_context_len // block_size)
-        tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks])) for seq in step.seqs]
+        tables = [_pad(seq.block_table[:max_blocks], max_blocks) for seq in step.seqs]
         device = self.device
         meta = AttentionMetadata(
             is_prefill=step.is_prefill,
@@ -104,3 +104,8 @@ class ModelRunner:
         positions = torch.arange(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, None, None)
         self.model.compute_logits(hidden[-1:])
+
+
+def _pad(block_table: list[int], width: int) -> list[int]:
+    # Unused entries point at block 0; attention never reads past a sequence's context length.
+    return block_table + [0] * (width - len(block_table))

@@ -1,7 +1,12 @@
 // Paged decode attention for CPUs: each query attends over its sequence's KV blocks, read in
-// place through the block table (no gathered copy of the context), with one pass for scores
-// and one for values. Work is split over (sequence, KV head) pairs; the query heads that share a
-// KV head (grouped-query attention) are handled together so each key/value row is loaded once.
+// place through the block table (no gathered copy of the context).
+//
+// One work item is one sequence: a block's slots hold all KV heads side by side, so walking a
+// block slot by slot and handling every head at once streams the block from memory in order
+// (splitting by head instead made each pass skip 2/3 of every row and doubled the DRAM traffic).
+// The query heads that share a KV head (grouped-query attention) are handled together so each
+// key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes so the
+// compiler unrolls and vectorises the dot products; other sizes take the generic instance.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -11,45 +16,50 @@
 
 namespace {
 
-template <typename scalar_t>
-void decode_kernel(const scalar_t* __restrict__ q,        // [B, Hq, D]
-                   const scalar_t* __restrict__ k_cache,  // [N, bs, Hkv, D]
-                   const scalar_t* __restrict__ v_cache,  // [N, bs, Hkv, D]
+template <typename scalar_t, int HEAD_DIM>
+void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
+                   const scalar_t* __restrict__ k_cache,      // [N, bs, Hkv, D]
+                   const scalar_t* __restrict__ v_cache,      // [N, bs, Hkv, D]
                    const int64_t* __restrict__ block_tables,  // [B, max_blocks]
                    const int64_t* __restrict__ context_lens,  // [B]
-                   scalar_t* __restrict__ out,            // [B, Hq, D]
-                   int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   scalar_t* __restrict__ out,                // [B, Hq, D]
+                   int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim,
                    int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> qf(group * head_dim);
-    std::vector<float> acc(group * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [Hq, length]
+    std::vector<float> qf(num_heads * head_dim);
+    std::vector<float> acc(num_heads * head_dim);
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t length = context_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
-      scores.assign(group * length, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qrow = q + (b * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]) * scale;
-      }
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const scalar_t* krow = k_cache + slot * row_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(krow[d]);
-          scores[g * length + t] = dot;
+      scores.resize(num_heads * length);
+      const scalar_t* qrow = q + b * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * scale;
+      // Scores: walk the block table block by block (no division per token).
+      for (int64_t start = 0; start < length; start += block_size) {
+        const int64_t n = std::min(block_size, length - start);
+        const scalar_t* kblock = k_cache + table[start / block_size] * block_size * row_stride;
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* krow = kblock + i * row_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* kh = krow + (h / group) * head_dim;
+            const float* qh = qf.data() + h * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
+            scores[h * length + start + i] = dot;
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * length;
-        float max_score = *std::max_element(s, s + length);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * length;
+        const float max_score = *std::max_element(s, s + length);
         float sum = 0.f;
+        // simd: lets the compiler use libmvec's vector exp instead of one expf per token.
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < length; ++t) {
           s[t] = std::exp(s[t] - max_score);
           sum += s[t];
@@ -58,21 +68,43 @@ void decode_kernel(const scalar_t* __restrict__ q,        // [B, Hq, D]
         for (int64_t t = 0; t < length; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const scalar_t* vrow = v_cache + slot * row_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * length + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
+      for (int64_t start = 0; start < length; start += block_size) {
+        const int64_t n = std::min(block_size, length - start);
+        const scalar_t* vblock = v_cache + table[start / block_size] * block_size * row_stride;
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* vrow = vblock + i * row_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* vh = vrow + (h / group) * head_dim;
+            const float p = scores[h * length + start + i];
+            float* a = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* orow = out + (b * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
-      }
+      scalar_t* orow = out + b * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
     }
   });
+}
+
+template <typename scalar_t>
+void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+                       float scale) {
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  auto run = [&](auto head_dim_constant) {
+    decode_kernel<scalar_t, decltype(head_dim_constant)::value>(
+        query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+        num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale);
+  };
+  switch (head_dim) {
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 0>{}); break;
+  }
 }
 
 }  // namespace
@@ -84,18 +116,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block_tables and context_lens must be int64");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(query);
-  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                            out.data_ptr<scalar_t>(), batch, num_heads, num_kv_heads, head_dim, block_size,
-                            block_tables.size(1), static_cast<float>(scale));
+    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, context_lens, out, static_cast<float>(scale));
   });
   return out;
 }

@@ -358,7 +358,7 @@ class _Server(uvicorn.Server):
 
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from parsed CLI flags and serve until SIGINT/SIGTERM."""
-    from pagedllm.entrypoints.serve_cli import engine_args_from_cli
+    from pagedllm.entrypoints.engine_flags import engine_args_from_cli
 
     log_level = str(getattr(args, "log_level", "info")).upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

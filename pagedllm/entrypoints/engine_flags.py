@@ -1,0 +1,71 @@
+"""Every engine setting as a command-line flag, shared by `generate`, `chat` and `serve`.
+
+Importing this module stays cheap (no torch) so `pagedllm --help` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    """Flags named as vLLM's; the defaults are EngineArgs' defaults."""
+    group = parser.add_argument_group("engine")
+    if model_flag:
+        group.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2-135M).")
+    group.add_argument("--tokenizer", default=None, help="Tokenizer folder if not the model's own.")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--block-size", type=int, default=16, help="Token slots per KV block.")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of free memory).")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
+    group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="Most tokens in one step.")
+    group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
+    group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="Share KV blocks of common prompt prefixes.")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="Same as --no-enable-prefix-caching.")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                       help="How preempted sequences come back.")
+    group.add_argument("--kv-allocation", default="paged",
+                       choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"],
+                       help="Paged blocks (ours) or one of the paper's contiguous reservation baselines.")
+    group.add_argument("--batching", default="iteration", choices=["iteration", "request"],
+                       help="Iteration-level (continuous) or request-level (static) batching.")
+    group.add_argument("--track-kv-waste", action="store_true", help="Account KV memory waste every step.")
+    group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch.")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="Split the model over this many ranks (worker processes, or torchrun's).")
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> Any:
+    """EngineArgs from parsed flags (a positional MODEL, where the command has one, wins)."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.llm import parse_bytes
+
+    return EngineArgs(
+        model=getattr(args, "model_tag", None) or args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        num_kv_blocks=args.num_kv_blocks,
+        swap_space=parse_bytes(args.swap_space) or 0,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        device=args.device,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        kv_allocation=args.kv_allocation,
+        batching=args.batching,
+        track_kv_waste=args.track_kv_waste,
+        num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
