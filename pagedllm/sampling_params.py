@@ -131,11 +131,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
-    def clone(self) -> SamplingParams:
-        from copy import deepcopy
-
-        return deepcopy(self)
-
 
 def _check(condition: bool, message: str) -> None:
     if not condition:

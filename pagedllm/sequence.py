@@ -82,12 +82,16 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def get_uncomputed_token_ids(self) -> list[int]:
+        """The tokens whose K/V this step must compute (one on a decode step, without copying the rest)."""
+        start = self.num_computed_tokens
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
-    def num_blocks_needed(self) -> int:
-        return -(-self.get_len() // self.block_size)
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
@@ -184,9 +188,6 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs)
-
-    def is_prefill(self) -> bool:
-        return any(seq.num_computed_tokens < seq.get_len() - 1 or seq.num_computed_tokens == 0 for seq in self.seqs)
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id}, seqs={self.seqs})"

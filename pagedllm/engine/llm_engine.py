@@ -203,7 +203,7 @@ class LLMEngine:
             params = group.sampling_params
             generator = self._generators.get(group.request_id)
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                tokens = seq.get_token_ids()[seq.num_computed_tokens :]
+                tokens = seq.get_uncomputed_token_ids()
                 # The prompt step of a group with best_of > 1 samples best_of first tokens from
                 # the one computed prompt; the extra samples become forks sharing its blocks.
                 # Beam search instead ranks candidates from each beam's one row.
