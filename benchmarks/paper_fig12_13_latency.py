@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from paper_common import make_real_engine, pyplot, run_real_trace, save_png, write_json
+from paper_common import REAL_MAX_MODEL_LEN, make_real_engine, pyplot, real_trace, run_real_trace, save_png, write_json
 
 from pagedllm.simulator import (
     POLICIES,
@@ -29,16 +29,19 @@ from pagedllm.simulator import (
     sustained_rate,
 )
 
+# Real runs: ShareGPT's chatbot limits (1024 + 1024) scaled onto 256 + 256; Alpaca fits as it is.
+REAL_LENGTH_SCALE = {"sharegpt": 0.25, "alpaca": 1.0}
 DEFAULT_RATES = {"sharegpt": [0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6], "alpaca": [5, 10, 15, 20, 25, 30, 40, 50]}
 
 
 def run_one(args, trace_kind: str, policy: str, rate: float) -> dict:
-    trace = make_trace(trace_kind, args.num_requests, rate, args.seed)
     if args.real:
-        for req in trace:
-            req.prompt_len, req.output_len = min(req.prompt_len, 256), min(req.output_len, 128)
-        engine = make_real_engine(policy, args.num_kv_blocks, args.block_size, max_model_len=512)
+        scale = args.length_scale if args.length_scale is not None else REAL_LENGTH_SCALE[trace_kind]
+        trace = real_trace(trace_kind, args.num_requests, rate, args.seed, scale)
+        engine = make_real_engine(policy, args.num_kv_blocks, args.block_size, max_model_len=REAL_MAX_MODEL_LEN,
+                                  num_threads=args.num_threads)
         return run_real_trace(engine, trace)
+    trace = make_trace(trace_kind, args.num_requests, rate, args.seed)
     shape, hw = get_model_shape(args.model_config), get_hardware(args.hardware)
     blocks = kv_pool_blocks(shape, hw, args.block_size, 2560)
     config = SimConfig(policy=policy, block_size=args.block_size, num_gpu_blocks=blocks,
@@ -57,12 +60,18 @@ def main() -> None:
     parser.add_argument("--hardware", default="a100-40gb")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=64, help="--real only")
+    parser.add_argument("--length-scale", type=float, default=None,
+                        help="--real only: trace lengths x this (default: ShareGPT 0.25, Alpaca 1)")
+    parser.add_argument("--num-threads", type=int, default=None, help="--real only: torch threads")
     parser.add_argument("--slo", type=float, default=None, help="normalized latency bound, s/token")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    label = "real, this CPU, SmolLM2-135M" if args.real else f"SIMULATED, {args.model_config} on {args.hardware}"
-    report = {"label": label, "traces": {}}
+    if args.real:
+        label = f"real, this CPU, SmolLM2-135M, {args.num_kv_blocks} x {args.block_size}-token KV blocks"
+    else:
+        label = f"SIMULATED, {args.model_config} on {args.hardware}"
+    report = {"label": label, "args": vars(args), "traces": {}}
     for trace_kind in args.trace:
         rates = args.rates or DEFAULT_RATES[trace_kind]
         print(f"\n{trace_kind} ({label}): normalized latency s/token (avg batched requests)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from paper_common import make_real_engine, pyplot, run_real_trace, save_png, write_json
+from paper_common import REAL_MAX_MODEL_LEN, make_real_engine, pyplot, real_trace, run_real_trace, save_png, write_json
 
 from pagedllm.simulator import CostModel, SimConfig, get_hardware, get_model_shape, kv_pool_blocks, make_trace, simulate
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=3.0)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=96, help="--real only: the pool")
+    parser.add_argument("--length-scale", type=float, default=0.25, help="--real only: trace lengths x this")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -37,10 +38,8 @@ def main() -> None:
     print(f"{'policy':<12} " + " ".join(f"{c + '%':>10}" for c in CATEGORIES) + f" {'batched':>8}")
     for policy in POLICIES:
         if args.real:
-            trace = make_trace("sharegpt", args.num_requests, args.rate, args.seed)
-            for req in trace:  # the default model's context and a CPU's patience
-                req.prompt_len, req.output_len = min(req.prompt_len, 256), min(req.output_len, 128)
-            engine = make_real_engine(policy, args.num_kv_blocks, args.block_size, max_model_len=512)
+            trace = real_trace("sharegpt", args.num_requests, args.rate, args.seed, args.length_scale)
+            engine = make_real_engine(policy, args.num_kv_blocks, args.block_size, max_model_len=REAL_MAX_MODEL_LEN)
             result = run_real_trace(engine, trace)
             waste, batched = result["kv_waste"], result["avg_batched_requests"]
         else:

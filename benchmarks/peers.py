@@ -694,6 +694,25 @@ def report(all_engines: list[Engine], wl: Workload) -> list[dict[str, Any]]:
     return rows
 
 
+def print_rooflines(wl: Workload, rows: list[dict[str, Any]], threads: int) -> dict[str, dict]:
+    """This machine's compute roofline for the workload, per dtype, next to each engine's figure."""
+    import torch
+    from roofline import report as roofline_report
+    from transformers import AutoConfig
+
+    torch.set_num_threads(threads)
+    config = AutoConfig.from_pretrained(wl.model_dir)
+    requests = list(zip(map(len, wl.prompts), wl.max_tokens))
+    ceilings = {}
+    for dtype in ("float32", "bfloat16"):
+        measured = {f"{r['engine']} {r['dtype']}": r["median_tok_per_s"] for r in rows
+                    if r["dtype"] == dtype and r["median_tok_per_s"]}
+        if measured:
+            print()
+            ceilings[dtype] = roofline_report(config, requests, getattr(torch, dtype), measured)
+    return ceilings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.cache_dir = os.path.abspath(os.path.expanduser(args.cache_dir))
@@ -735,12 +754,13 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
             all_engines += engines
     rows = report(all_engines, wl)
+    ceilings = print_rooflines(wl, rows, args.threads)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workload": {"name": wl.name, "requests": len(wl.prompts),
                        "prompt_tokens": sum(map(len, wl.prompts)), "output_tokens": wl.output_tokens},
-                       "rows": rows}, f, indent=2)
+                       "rows": rows, "roofline": ceilings}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

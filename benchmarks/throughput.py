@@ -95,6 +95,23 @@ def run_hf(hf_model, requests, batch_size: int, pad_id: int) -> tuple[float, int
     return time.perf_counter() - start, useful
 
 
+def profile_run(llm: LLM, requests) -> None:
+    """Where the time goes: the engine's phase breakdown, then torch.profiler's op table (second run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.engine.step_timing import format_breakdown
+
+    engine = llm.llm_engine
+    steps_before = engine.num_steps
+    engine.step_timer.start()
+    run_pagedllm(llm, requests)
+    engine.step_timer.stop()
+    print(format_breakdown(engine.step_timer.summary(), engine.num_steps - steps_before))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_pagedllm(llm, requests)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2-135M)")
@@ -110,7 +127,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (per rank)")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one pagedllm run")
+    parser.add_argument("--profile", action="store_true", help="print phase times and a torch.profiler table")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -132,11 +149,7 @@ def main() -> None:
     # Warm-up: first calls pay for allocator growth and kernel selection.
     run_pagedllm(llm, requests[:4])
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_pagedllm(llm, requests)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        profile_run(llm, requests)
 
     hf_model = None
     if args.hf_batch_sizes:

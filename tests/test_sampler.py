@@ -379,3 +379,20 @@ def test_top_k_top_p_candidate_path_equals_full_sort(ks: list[int], ps: list[flo
         penalties.NUCLEUS_CANDIDATES = original
     assert torch.equal(torch.isfinite(fast), torch.isfinite(expected))
     assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
+
+
+def test_greedy_kernel_matches_torch() -> None:
+    """The fused CPU greedy choice: torch.argmax's ids (first of ties) and log_softmax's values."""
+    from pagedllm.attention.cpu_kernels import greedy_pick, load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 5001, generator=gen) * 4
+    logits[3, [10, 20]] = 100.0  # a tie: the first index wins, as in torch.argmax
+    logits[5] = 0.0  # all equal
+    ids, logprobs = greedy_pick(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    expected = torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+    assert greedy_pick(logits.double()) is None  # other dtypes take the torch path

@@ -1,4 +1,4 @@
-"""Our C++ CPU kernel for paged decode attention, built with torch's cpp_extension.
+"""Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, greedy choice.
 
 Built once per machine (about a minute; ``scripts/install.sh`` does it at install time), cached
 by torch under ``TORCH_EXTENSIONS_DIR``. If it cannot be built (no compiler, no ninja), the
@@ -16,7 +16,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
+_SOURCES = [
+    os.path.join(os.path.dirname(__file__), "csrc", name)
+    for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "bindings.cpp")
+]
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -37,14 +40,14 @@ def load_cpu_kernels(verbose: bool = False):
             from torch.utils.cpp_extension import load
 
             _module = load(
-                name="pagedllm_cpu_attention",
-                sources=[_SOURCE],
+                name="pagedllm_cpu_kernels",
+                sources=_SOURCES,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=verbose,
             )
         except Exception as exc:  # a missing toolchain must not take the engine down
-            logger.warning("CPU paged-attention kernel unavailable (%s); using the torch-native path.", exc)
+            logger.warning("CPU kernels unavailable (%s); using the torch-native paths.", exc)
             _failed = True
     return _module
 
@@ -66,7 +69,17 @@ def paged_decode_attention(
     return module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of float32 ``[N, V]`` logits: (argmax ids, their raw logprobs), or None (no kernel)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[1] == 0:
+        return None
+    module = load_cpu_kernels()
+    if module is None:
+        return None
+    return module.greedy_pick(logits)
+
+
 if __name__ == "__main__":
     # `python -m pagedllm.attention.cpu_kernels` builds the kernel ahead of time.
     logging.basicConfig(level=logging.INFO)
-    print("CPU kernel:", "built" if load_cpu_kernels(verbose=True) is not None else "unavailable")
+    print("CPU kernels:", "built" if load_cpu_kernels(verbose=True) is not None else "unavailable")

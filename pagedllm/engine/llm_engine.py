@@ -20,6 +20,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
 from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
+from pagedllm.engine.step_timing import StepTimer
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.sampling import SamplingRow
@@ -95,6 +96,12 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        # Per-phase step timing for --profile; the runner times its own phases when in this process.
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        self.step_timer = StepTimer(sync)
+        runner = getattr(self.worker, "runner", None)
+        if runner is not None:
+            runner.step_timer = self.step_timer
         logger.info(
             "KV pool: %d device blocks, %d CPU blocks of %d tokens", self.num_gpu_blocks, self.num_cpu_blocks,
             cache_config.block_size,
@@ -185,15 +192,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of every request that ran or ended in it."""
-        sched = self.scheduler.schedule()
-        step_input = self._build_step_input(sched)
+        timer = self.step_timer
+        with timer.phase("schedule"):
+            sched = self.scheduler.schedule()
+        with timer.phase("prepare_inputs"):
+            step_input = self._build_step_input(sched)
         sampler_output = self.worker.execute(step_input)
         self.num_steps += 1
-        outputs = self._process_outputs(sched, step_input, sampler_output)
-        for group in sched.ignored_seq_groups:
-            outputs.append(self._make_output(group))
-            self._forget(group)
-        self.scheduler.free_finished_seq_groups()
+        with timer.phase("process_outputs"):
+            outputs = self._process_outputs(sched, step_input, sampler_output)
+            for group in sched.ignored_seq_groups:
+                outputs.append(self._make_output(group))
+                self._forget(group)
+            self.scheduler.free_finished_seq_groups()
         return outputs
 
     def _build_step_input(self, sched: SchedulerOutputs) -> StepInput:

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: norms, rotary embedding, fused linears, weight copying."""
+"""Building blocks shared by the model files: norms, rotary embedding, weight copying."""
 
 from __future__ import annotations
 
@@ -111,18 +111,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class MergedLinear(nn.Linear):
-    """Several HF linears with one input stacked along the output dim (q/k/v, gate/up): one GEMM."""
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_slices: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard, size in shard_sizes.items():
-            self.shard_slices[shard] = (offset, size)
-            offset += size
 
 
 class WeightLoader:

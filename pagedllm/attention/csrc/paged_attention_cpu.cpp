@@ -127,7 +127,3 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-}
