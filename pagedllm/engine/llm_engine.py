@@ -102,6 +102,8 @@ class LLMEngine:
         runner = getattr(self.worker, "runner", None)
         if runner is not None:
             runner.step_timer = self.step_timer
+        # Without a runner in this process (tensor parallelism) the whole execution counts as "forward".
+        self._runner_timed = runner is not None
         logger.info(
             "KV pool: %d device blocks, %d CPU blocks of %d tokens", self.num_gpu_blocks, self.num_cpu_blocks,
             cache_config.block_size,
@@ -197,7 +199,11 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         with timer.phase("prepare_inputs"):
             step_input = self._build_step_input(sched)
-        sampler_output = self.worker.execute(step_input)
+        if self._runner_timed:  # the worker and runner time their own phases
+            sampler_output = self.worker.execute(step_input)
+        else:
+            with timer.phase("forward"):
+                sampler_output = self.worker.execute(step_input)
         self.num_steps += 1
         with timer.phase("process_outputs"):
             outputs = self._process_outputs(sched, step_input, sampler_output)

@@ -27,7 +27,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits) {
 #pragma omp simd reduction(max : max_value)
       for (int64_t i = 0; i < vocab; ++i) max_value = std::max(max_value, row[i]);
       int64_t arg = 0;
-      while (row[arg] != max_value) ++arg;  // the first maximum
+      // The first maximum; bounded, since a NaN row (a broken model) has no element equal to max.
+      while (arg < vocab - 1 && row[arg] != max_value) ++arg;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < vocab; ++i) sum += std::exp(row[i] - max_value);
