@@ -113,6 +113,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def copy_checked(what: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into ``target`` (a parameter or a slice of one), refusing a shape mismatch."""
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}.")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
 class WeightLoader:
     """Copies checkpoint tensors into a model's parameters, shard by shard, and remembers what it loaded."""
 
@@ -163,12 +171,7 @@ class WeightLoader:
 
     @staticmethod
     def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}."
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
+        copy_checked(f"Checkpoint tensor {name!r}", target, tensor)
 
     def missing(self) -> list[str]:
         return sorted(set(self.params) - self.loaded)

@@ -19,21 +19,13 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, gather_last_dim, get_tp_state
 from pagedllm.models.cpu_gemm import PackableLinear, dense, lm_head_matmul
+from pagedllm.models.layers import copy_checked
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator}).")
     return numerator // denominator
-
-
-def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(
-            f"{name}: the slice has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}."
-        )
-    with torch.no_grad():
-        target.copy_(tensor)
 
 
 def local_num_kv_heads(num_kv_heads: int, world_size: int) -> int:
@@ -61,7 +53,7 @@ class ColumnParallelLinear(PackableLinear, _TPMixin):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         size = param.shape[0]
-        _copy("column-parallel weight", param.data, loaded.narrow(0, self.tp_rank * size, size))
+        copy_checked("column-parallel weight", param.data, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -90,7 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         offset, size = self.shard_slices[shard_id]
         source = loaded.narrow(0, self.shard_sources[shard_id], size)
-        _copy(f"{shard_id} shard", param.data[offset : offset + size], source)
+        copy_checked(f"{shard_id} shard", param.data[offset : offset + size], source)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -138,10 +130,10 @@ class RowParallelLinear(PackableLinear, _TPMixin):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if param.dim() == 1:  # the bias is whole on every rank, added once after the reduction
-            _copy("row-parallel bias", param.data, loaded)
+            copy_checked("row-parallel bias", param.data, loaded)
             return
         size = param.shape[1]
-        _copy("row-parallel weight", param.data, loaded.narrow(1, self.tp_rank * size, size))
+        copy_checked("row-parallel weight", param.data, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -165,7 +157,7 @@ class VocabParallelEmbedding(nn.Embedding, _TPMixin):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         rows = self.vocab_end - self.vocab_start
-        _copy("embedding", param.data[:rows], loaded.narrow(0, self.vocab_start, rows))
+        copy_checked("embedding", param.data[:rows], loaded.narrow(0, self.vocab_start, rows))
         if rows < self.shard_size:
             with torch.no_grad():
                 param.data[rows:].zero_()
