@@ -79,6 +79,11 @@ class ModelConfig:
     architecture: str
     tokenizer_path: str | None = None
     gguf_file: str | None = None
+    # Load-time weight-only quantization of float checkpoints: None, "int8" or "int4" (groups of
+    # quantization_group_size). GGUF files keep their own types packed unless gguf_dequantize.
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    gguf_dequantize: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +107,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None

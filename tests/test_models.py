@@ -11,6 +11,8 @@ import torch
 from pagedllm.attention import AttentionMetadata
 from pagedllm.models import build_model, load_model_config, load_tokenizer
 from pagedllm.models.gguf_loader import gguf_name_to_hf, iter_gguf_weights, read_gguf
+from pagedllm.quantization.apply import packed_weight_bytes
+from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 transformers = pytest.importorskip("transformers")
 
@@ -188,7 +190,14 @@ def test_default_model_config(default_model) -> None:
     assert model_config.head_dim == 64 and cfg.vocab_size == 49152 and cfg.tie_word_embeddings
     assert cfg.rope_parameters["rope_theta"] == 100000.0
     assert model_config.max_model_len == 8192 and model_config.dtype == torch.float32
-    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    # Norms stay float parameters; every linear and the embedding keep the file's packed blocks.
+    packed_bytes, formats = packed_weight_bytes(model)
+    holders = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    packed_params = sum(w.shape.numel() for w in holders)
+    assert sum(p.numel() for p in model.parameters()) + packed_params == 134_515_008
+    assert formats == {"Q4_1": 120, "Q8_0": 1}
+    tensor_bytes = sum(t.nbytes for t in read_gguf(model_config.gguf_file).tensors.values() if len(t.shape) == 2)
+    assert packed_bytes == tensor_bytes
 
 
 def test_default_tokenizer_round_trip(default_model) -> None:
@@ -223,9 +232,12 @@ def test_gguf_names_and_dequantized_weights(default_model) -> None:
         gguf_name_to_hf("blk.0.ffn_gate_exps.weight")
     names = {gguf_name_to_hf(n) for n in gguf_file.tensors}
     assert "model.layers.29.mlp.down_proj.weight" in names and "lm_head.weight" not in names  # tied
-    name, tensor = next(iter_gguf_weights(gguf_file))
+    name, tensor = next(iter_gguf_weights(gguf_file, packed=False))
     assert name == "model.embed_tokens.weight"
     assert tensor.dtype == torch.float32 and tensor.shape == (49152, 576)
+    name, packed = next(iter_gguf_weights(gguf_file))
+    assert isinstance(packed, PackedTensor) and packed.fmt.name == "Q8_0" and packed.shape == (49152, 576)
+    torch.testing.assert_close(packed.dequantize(), tensor, rtol=0, atol=0)
 
 
 def test_default_model_greedy_generation_equals_transformers(hf_default_model) -> None:

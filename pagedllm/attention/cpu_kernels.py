@@ -1,4 +1,5 @@
-"""Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, greedy choice.
+"""Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, greedy choice,
+linear layers over packed quantized weights.
 
 Built once per machine (about a minute; ``scripts/install.sh`` does it at install time), cached
 by torch under ``TORCH_EXTENSIONS_DIR``. If it cannot be built (no compiler, no ninja), the
@@ -8,6 +9,7 @@ Set ``PAGEDLLM_CPU_KERNEL=0`` to force the torch-native path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -18,9 +20,25 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "bindings.cpp")
+    for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "quant_linear_cpu.cpp", "bindings.cpp")
 ]
 _lock = threading.Lock()
+
+
+def _build_name() -> str:
+    """The extension's name carries a digest of its sources and of this CPU's feature flags: two
+    checkouts (or a CPU with other instructions, built with -march=native) never share a build."""
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            digest.update(next((line for line in f if line.startswith(b"flags")), b""))
+    except OSError:
+        pass
+    return f"pagedllm_cpu_kernels_{digest.hexdigest()[:12]}"
+
 _module = None
 _failed = False
 
@@ -40,7 +58,7 @@ def load_cpu_kernels(verbose: bool = False):
             from torch.utils.cpp_extension import load
 
             _module = load(
-                name="pagedllm_cpu_kernels",
+                name=_build_name(),
                 sources=_SOURCES,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

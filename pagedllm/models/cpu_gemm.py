@@ -41,7 +41,10 @@ def dense(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch
     packed = layer.packed_weight
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, layer.weight, bias)
+    weight = layer.weight
+    if not isinstance(weight, torch.Tensor):  # a QuantizedWeight: packed rows
+        return weight.linear(x, bias)
+    return F.linear(x, weight, bias)
 
 
 def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -75,12 +78,13 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, PackableLinear):
+            if isinstance(module, PackableLinear) and isinstance(module.weight, torch.Tensor):
                 module.packed_weight = reorder_weight(module.weight)
                 count += 1
         head = model.logits_head()
-        head.packed_weight = reorder_weight(head.weight)
-        count += 1
+        if isinstance(head.weight, torch.Tensor):
+            head.packed_weight = reorder_weight(head.weight)
+            count += 1
     logger.info("oneDNN: %d linear weights reordered for the CPU", count)
     return count
 
@@ -90,4 +94,6 @@ def lm_head_matmul(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
     packed = getattr(head, "packed_weight", None)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+    if not isinstance(head.weight, torch.Tensor):  # a QuantizedWeight: packed rows
+        return head.weight.linear(hidden, None)
     return torch.matmul(hidden, head.weight.t())

@@ -7,6 +7,7 @@ while this walk takes milliseconds. Tensor data is dequantized with ``gguf.quant
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -17,9 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.quantization.formats import GGUF_PACKED_TYPES
+from pagedllm.quantization.packed import PackedTensor
+
+logger = logging.getLogger(__name__)
+
 GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: loaded as float tensors
+_WARNED_TYPES: set[str] = set()
 
 # Metadata value types of the GGUF spec -> struct format of the fixed-size ones.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -274,8 +282,15 @@ def gguf_name_to_hf(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no counterpart in the Llama model (unsupported variant?).")
 
 
-def iter_gguf_weights(gguf_file: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor, dequantized and with q/k rows un-permuted."""
+def iter_gguf_weights(gguf_file: GGUFFile, packed: bool = True) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor, with q/k rows un-permuted.
+
+    With ``packed``, 2-D tensors of the types in ``GGUF_PACKED_TYPES`` come as PackedTensor (the
+    file's blocks, read once from the mapping: no float copy); F32 / F16 / BF16 tensors come as
+    float32; other quantized types are dequantized with a warning naming the tensor and type.
+    Without ``packed`` every tensor is dequantized to float32 (the reference the packed path is
+    tested against).
+    """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -289,6 +304,21 @@ def iter_gguf_weights(gguf_file: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]
         hf_name = gguf_name_to_hf(info.name)
         qtype = GGMLQuantizationType(info.ggml_type)
         raw = data[info.offset:info.offset + info.nbytes]
+        fmt = GGUF_PACKED_TYPES.get(qtype.name)
+        if packed and fmt is not None and len(info.shape) == 2:
+            rows = np.array(raw).reshape(info.shape[0], fmt.row_bytes(info.shape[1]))
+            if ".attn_q." in info.name:
+                rows = _unpermute_rope_rows(rows, n_head)
+            elif ".attn_k." in info.name:
+                rows = _unpermute_rope_rows(rows, n_kv)
+            yield hf_name, PackedTensor(torch.from_numpy(np.ascontiguousarray(rows)), fmt, info.shape[1])
+            continue
+        if packed and qtype not in _FLOAT_TYPES and qtype.name not in _WARNED_TYPES:
+            _WARNED_TYPES.add(qtype.name)
+            logger.warning(
+                "GGUF tensor %s is %s, which pagedllm does not keep packed (packed: %s); tensors of this type "
+                "are dequantized to float at load time.", info.name, qtype.name, ", ".join(GGUF_PACKED_TYPES),
+            )
         if qtype == GGMLQuantizationType.F32:
             w = np.array(raw).view(np.float32).reshape(info.shape)  # a copy: torch wants writable memory
         else:

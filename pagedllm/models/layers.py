@@ -113,8 +113,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def copy_checked(what: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` into ``target`` (a parameter or a slice of one), refusing a shape mismatch."""
+def copy_checked(what: str, target: Any, tensor: Any) -> None:
+    """Copy ``tensor`` into ``target`` (a parameter or a slice of one), refusing a shape mismatch.
+
+    Packed weights (pagedllm.quantization) go either way: a packed target stores the tensor as
+    packed rows; a packed tensor loaded into a float parameter is dequantized first.
+    """
+    from pagedllm.quantization.packed import PackedTensor, assign_to
+
+    if assign_to(what, target, tensor):
+        return
+    if isinstance(tensor, PackedTensor):
+        tensor = tensor.dequantize()
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}.")
     with torch.no_grad():
@@ -128,6 +138,11 @@ class WeightLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.modules = dict(model.named_modules())
+        # Packed weight holders (pagedllm.quantization) take the place of their layers' weight parameters.
+        for module_name, module in self.modules.items():
+            weight = getattr(module, "weight", None)
+            if weight is not None and not isinstance(weight, torch.Tensor) and hasattr(weight, "segments"):
+                self.params[f"{module_name}.weight"] = weight
         # e.g. {"q_proj": ("qkv_proj", "q")}: ".q_proj." in a name goes to shard "q" of ".qkv_proj."
         self.stacked = stacked or {}
         self.loaded: set[str] = set()

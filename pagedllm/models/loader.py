@@ -139,11 +139,39 @@ def _derived_max_model_len(hf_config: Any) -> int:
     return int(limit)
 
 
+def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> tuple[str | None, int]:
+    """(method, int4 group size) of a ``quantization`` setting: None, "gguf", "int8", "int4" or "int4-gNN"."""
+    from pagedllm.quantization.quantize import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+
+    if quantization in (None, "none", "gguf"):
+        if quantization == "gguf" and not is_gguf:
+            raise ValueError(f"quantization='gguf' needs a .gguf model; {path!r} is a Hugging Face folder.")
+        return None, 128
+    method, _, group = str(quantization).partition("-g")
+    if method not in QUANTIZATION_METHODS or (group and (method != "int4" or not group.isdigit())):
+        raise ValueError(
+            f"quantization must be None, 'int8', 'int4' or 'int4-g32' / 'int4-g64' / 'int4-g128', got {quantization!r}."
+        )
+    group_size = int(group) if group else 128
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {sorted(INT4_GROUP_SIZES)}, got {group_size}.")
+    if is_gguf:
+        raise ValueError(
+            f"quantization={quantization!r} applies to Hugging Face float checkpoints; the GGUF file {path!r} "
+            "keeps its own quantized types (leave quantization unset)."
+        )
+    return method, group_size
+
+
 def load_model_config(
-    model: str | None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+    model: str | None,
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Read the config of a model (HF folder or GGUF; ``None`` = default model) without loading weights."""
     path = resolve_model_path(model)
+    method, group_size = _parse_quantization(quantization, is_gguf_path(path), path)
     gguf_file = None
     if is_gguf_path(path):
         from pagedllm.models.gguf_loader import gguf_to_hf_config, read_gguf
@@ -172,6 +200,8 @@ def load_model_config(
         architecture=architecture,
         tokenizer_path=path,
         gguf_file=gguf_file,
+        quantization=method,
+        quantization_group_size=group_size,
     )
 
 
@@ -258,7 +288,7 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     if model_config.gguf_file:
         from pagedllm.models.gguf_loader import iter_gguf_weights, read_gguf
 
-        yield from iter_gguf_weights(read_gguf(model_config.gguf_file))
+        yield from iter_gguf_weights(read_gguf(model_config.gguf_file), packed=not model_config.gguf_dequantize)
         return
     files = list_weight_files(model_config.model)
     if files[0].endswith(".safetensors"):
@@ -284,8 +314,27 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
     # Build on the meta device (no random init of weights we overwrite anyway), then allocate.
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model = model_class(model_config.hf_config)
+    packed = _prepare_packed_weights(model, model_config)
     model = model.to_empty(device=device)
     model.load_weights(iter_weights(model_config))
     model.requires_grad_(False)
+    if packed:
+        from pagedllm.quantization.apply import settle_packed_weights
+
+        settle_packed_weights(model, device)
     pack_linears(model, device, model_config.dtype)
     return model.eval()
+
+
+def _prepare_packed_weights(model: nn.Module, model_config: ModelConfig) -> bool:
+    """Packed weight holders for a GGUF file's layers (every linear and embedding, whatever type each
+    tensor turns out to have) or for load-time quantization (the decoder's linear layers)."""
+    from pagedllm.quantization.apply import use_packed_weights
+    from pagedllm.quantization.quantize import make_quantizer
+
+    if model_config.gguf_file and not model_config.gguf_dequantize:
+        return use_packed_weights(model, model_config.dtype, None, include_embeddings=True) > 0
+    if model_config.quantization:
+        quantizer = make_quantizer(model_config.quantization, model_config.quantization_group_size)
+        return use_packed_weights(model, model_config.dtype, quantizer, include_embeddings=False) > 0
+    return False

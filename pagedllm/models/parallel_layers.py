@@ -164,12 +164,18 @@ class VocabParallelEmbedding(nn.Embedding, _TPMixin):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(out, self.tp_state)
+
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, torch.Tensor):
+            return F.embedding(ids, self.weight)
+        return self.weight.embedding(ids)  # a QuantizedWeight: only these rows are dequantized
 
 
 class ParallelLMHead(VocabParallelEmbedding):
