@@ -1,11 +1,49 @@
-"""SamplingParams: how one request is decoded, validated before anything is scheduled."""
+"""SamplingParams: how one request is decoded, validated before anything is scheduled.
+
+Every setting is checked for its type (an int setting takes an int, never a bool; a float setting
+a finite real number) and its range, so that nothing a client sends can reach the sampler, the
+beam scorer or the stop checker as a value they cannot compute with. The ranges:
+
+==========================  ===============================================================
+temperature                 finite, >= 0 (0 = greedy; 0 < t < 0.01 is raised to 0.01, as vLLM)
+top_p                       (0, 1]
+top_k                       -1 (off) or an integer >= 1
+min_p                       [0, 1]
+presence/frequency_penalty  [-2, 2]
+repetition_penalty          (0, 100]
+length_penalty              [-10, 10] (beam search; ``len ** length_penalty`` stays finite)
+n, best_of                  integers >= 1, best_of >= n
+max_tokens                  None or an integer >= 1;  min_tokens: integer in [0, max_tokens]
+logprobs, prompt_logprobs   None or an integer in [0, 20]
+seed                        None or an integer in [-2**63, 2**64 - 1] (what torch can seed)
+stop                        at most MAX_STOP_STRINGS non-empty strings of at most
+                            MAX_STOP_STRING_CHARS characters each
+stop_token_ids              at most MAX_STOP_TOKEN_IDS integers >= 0
+==========================  ===============================================================
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
+# Below this a temperature turns logits into infinities; vLLM raises it to this value.
+MIN_POSITIVE_TEMPERATURE = 1e-2
+# Stop strings are searched after every token and held back from streams: cap their number and size
+# so that one request cannot make those searches expensive for everyone.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 100.0
+MAX_ABS_LENGTH_PENALTY = 10.0
+_SEED_MIN = -(1 << 63)
+_SEED_MAX = (1 << 64) - 1
 
 
 @dataclass
@@ -15,6 +53,7 @@ class SamplingParams:
     temperature 0 means greedy. ``max_tokens`` counts generated tokens only.
     ``stop`` strings end the output and are not included in the text.
     ``logprobs=k`` returns the chosen token's log-probability and the top ``k``.
+    Bad settings raise ValueError naming the setting and its range (see the module docstring).
     """
 
     n: int = 1
@@ -45,73 +84,92 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Types first: the conversions below must not fail with a TypeError on odd input.
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):
             self.stop_strings = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}.")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.use_beam_search and self.beam_width is not None and self.best_of is None:
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}."
+            )
+        if self.use_beam_search is True and self.beam_width is not None and self.best_of is None:
             self.best_of = self.beam_width
         if self.best_of is None:
             self.best_of = self.n
+        if _is_real(self.temperature) and 0.0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            logger.warning("temperature %s is below %s: raised to %s", self.temperature,
+                           MIN_POSITIVE_TEMPERATURE, MIN_POSITIVE_TEMPERATURE)
+            self.temperature = MIN_POSITIVE_TEMPERATURE
         self.verify()
 
     def verify(self) -> None:
         """Raise ValueError naming the field and the accepted range for any bad setting."""
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}.")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {_short(self.n)}.")
         _check(
-            isinstance(self.best_of, int) and self.best_of >= self.n,
-            f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}.",
+            _is_int(self.best_of) and self.best_of >= self.n,
+            f"best_of must be an integer >= n ({_short(self.n)}), got {_short(self.best_of)}.",
         )
-        _check(self.temperature >= 0.0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_real(self, "temperature", 0.0, math.inf, "must be >= 0 (0 means greedy)")
+        _check_real(self, "top_p", 0.0, 1.0, "must be in (0, 1]", low_open=True)
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.",
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or an integer >= 1, got {_short(self.top_k)}.",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(
-            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+        _check_real(self, "min_p", 0.0, 1.0, "must be in [0, 1]")
+        _check_real(self, "presence_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        _check_real(self, "frequency_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        _check_real(
+            self, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY,
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = no penalty)", low_open=True,
         )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
-        )
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.",
+        _check_real(
+            self, "length_penalty", -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY,
+            f"must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}]",
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.",
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}.",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {_short(self.min_tokens)}.",
         )
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).",
+                f"min_tokens ({_short(self.min_tokens)}) must be <= max_tokens ({_short(self.max_tokens)}).",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_short(value)}.",
             )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}.",
+            self.seed is None or (_is_int(self.seed) and _SEED_MIN <= self.seed <= _SEED_MAX),
+            f"seed must be None or an integer in [-2**63, 2**64 - 1], got {_short(self.seed)}.",
+        )
+        self._verify_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "use_beam_search"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be true or false, got {_short(value)}.")
+        _check(
+            self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= 1),
+            f"beam_width must be None or an integer >= 1, got {_short(self.beam_width)}.",
         )
         _check(
-            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}.",
-        )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop_strings),
-            "stop must be a non-empty string or a list of them.",
-        )
-        _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
-        )
-        _check(
-            self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}."
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+            f"early_stopping must be True, False or 'never', got {_short(self.early_stopping)}.",
         )
         if self.use_beam_search:
             # Beam search is deterministic (HF's do_sample=False): temperature, top_p, top_k, min_p
@@ -119,17 +177,71 @@ class SamplingParams:
             _check(self.best_of > 1 or self.n == 1, "beam search needs best_of (the beam width) > 1.")
             _check(
                 self.beam_width is None or self.beam_width == self.best_of,
-                f"beam_width ({self.beam_width}) and best_of ({self.best_of}) disagree; give one of them.",
+                f"beam_width ({_short(self.beam_width)}) and best_of ({_short(self.best_of)}) disagree; "
+                "give one of them.",
             )
             _check(not self.stop_strings, "stop strings are not supported with beam search; use stop_token_ids.")
-            _check(
-                self.early_stopping in (True, False, "never"),
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.",
-            )
+
+    def _verify_stops(self) -> None:
+        _check(
+            len(self.stop_strings) <= MAX_STOP_STRINGS,
+            f"stop holds {len(self.stop_strings)} strings; at most {MAX_STOP_STRINGS} are allowed.",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop_strings),
+            "stop must be a non-empty string or a list of them.",
+        )
+        longest = max((len(s) for s in self.stop_strings), default=0)
+        _check(
+            longest <= MAX_STOP_STRING_CHARS,
+            f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}.",
+        )
+        token_ids = self.stop_token_ids or []
+        _check(
+            len(token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids holds {len(token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed.",
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in token_ids),
+            f"stop_token_ids must be non-negative integers, got {_short(token_ids)}.",
+        )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass: True must not pass for n=1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_real(
+    params: SamplingParams, name: str, low: float, high: float, rule: str, low_open: bool = False
+) -> None:
+    """A finite real number within [low, high] ((low, high] with low_open)."""
+    value = getattr(params, name)
+    ok = _is_real(value)
+    if ok:
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            ok = False
+        else:
+            ok = math.isfinite(number) and (low < number if low_open else low <= number) and number <= high
+    _check(ok, f"{name} {rule}, got {_short(value)}.")
+
+
+def _short(value: Any) -> str:
+    """repr() of a value, cut short: messages must stay readable whatever was sent."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"  # repr() of a huge int is slow or refused
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check(condition: bool, message: str) -> None:

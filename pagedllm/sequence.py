@@ -153,7 +153,10 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.prompt = prompt
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
-        self.error: str | None = None  # set when the scheduler refuses the request
+        self.error: str | None = None  # set when the scheduler refuses the request, or it fails
+        # True when the engine failed while processing this request (a server-side error, not a
+        # refusal of its input); the request alone was finished, with ``error`` saying where.
+        self.failed = False
         self.num_preemptions = 0
         # The true output length, known only in experiments (a trace supplies it): the
         # contiguous-oracle and contiguous-pow2 policies reserve from it (core/policies.py).
@@ -220,5 +223,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # error is set and the engine failed on this request (rather than refusing it): a server error.
+    failed: bool = False
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)

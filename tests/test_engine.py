@@ -159,8 +159,11 @@ def test_prompt_longer_than_pool_is_refused(llama_dir):
     llm = LLM(model=llama_dir, num_kv_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV pool"):
         llm.generate([[5] * 40], SamplingParams(max_tokens=4), use_tqdm=False)
-    # A request that fits at first but outgrows the pool ends with "length", not a hang.
-    out = llm.generate([[5] * 10], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    # Prompt + max_tokens with EOS ignored can never fit: refused up front, naming the pool.
+    with pytest.raises(ValueError, match="16 tokens"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    # Without max_tokens a request that fits at first but outgrows the pool ends with "length", not a hang.
+    out = llm.generate([[5] * 10], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 16 - 10
     assert_no_leaks(llm)
 

@@ -10,8 +10,10 @@ Outputs are cumulative (full text and token ids so far), so a request's stream o
 latest one: a slow reader skips intermediate steps instead of buffering them.
 
 A request whose consumer goes away (client disconnect: the generator is closed or cancelled) is
-aborted at the next iteration, which frees its blocks. An exception inside ``step`` fails every
-request in flight with EngineDeadError and leaves the engine unhealthy: it is not stepped again.
+aborted at the next iteration, which frees its blocks. A request the engine failed on alone (its
+output has ``failed``) raises RequestFailedError in its stream; the others run on. An exception
+out of ``step`` itself (the forward pass, a worker) fails every request in flight with
+EngineDeadError, leaves the engine unhealthy (it is not stepped again) and calls ``on_dead``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestRejectedError(ValueError):
     """The scheduler refused a request after it was queued (RequestOutput.error)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while processing this request alone (RequestOutput.failed); others run on."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -95,9 +101,17 @@ class _RequestStream:
 class AsyncLLMEngine:
     """Run an LLMEngine in the background and stream each request's outputs to a coroutine."""
 
-    def __init__(self, engine: Any, output_observer: OutputObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        output_observer: OutputObserver | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.output_observer = output_observer
+        # Called on the loop once the engine has failed for good and every request in flight has
+        # been failed: the server ends its process there, so a supervisor restarts it.
+        self.on_dead = on_dead
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, _RequestStream] = {}
         self._pending_aborts: set[str] = set()
@@ -208,7 +222,7 @@ class AsyncLLMEngine:
                 output = await stream.get()
                 if output.error is not None:
                     done = True
-                    raise RequestRejectedError(output.error)
+                    raise (RequestFailedError if output.failed else RequestRejectedError)(output.error)
                 done = output.finished
                 yield output
                 if done:
@@ -235,6 +249,7 @@ class AsyncLLMEngine:
         if stream.finished:
             return  # the engine is done with it (or the loop already failed it)
         stream.fail(RequestAbortedError(f"Request {request_id} was aborted."))
+        logger.info("Aborted request %s.", request_id)
         self._pending_aborts.add(request_id)
         self._work.set()
         if not self.is_running and self.dead_error is None and not self._stopping:
@@ -312,3 +327,8 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             stream.fail(error)
         self._streams.clear()
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:  # noqa: BLE001 - the engine is dead either way
+                logger.exception("on_dead callback failed")

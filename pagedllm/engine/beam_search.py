@@ -133,15 +133,13 @@ class BeamSearcher:
         ]
 
         is_last = gen_len >= state.max_new_tokens
-        eos_set = set(eos_ids)
-        hits = [is_last or cand.token_id in eos_set for cand in candidates]
-        next_beams = [] if is_last else [cand for cand, hit in zip(candidates, hits) if not hit][:k]
-        # Merge the new hypotheses into the kept ones; a stable sort keeps older ones first on ties.
-        merged: list[tuple[float, Sequence | _Candidate]] = list(state.finished)
-        merged += [(penalised[r], candidates[r]) for r in range(min(k, len(candidates))) if hits[r]]
-        merged.sort(key=lambda entry: -entry[0])
-        kept = merged[:k]
+        next_beams, kept = self._select(state, candidates, penalised, eos_ids, is_last)
         done = is_last or not next_beams or self._no_improvement(state, params, next_beams, kept, gen_len)
+        if done and not is_last and not kept:
+            # HF's stopping rule can end the search before any hypothesis exists (a strongly negative
+            # length_penalty makes every running score look hopeless): the candidates then finish
+            # as at the last length, as HF's BeamSearchScorer.finalize adds the open beams.
+            next_beams, kept = self._select(state, candidates, penalised, eos_ids, True)
 
         # Children first, while every parent still has its pre-step state: a fork copies it.
         kept_seqs: list[tuple[float, Sequence]] = []
@@ -165,6 +163,8 @@ class BeamSearcher:
                 else:
                     child = parent.fork(self.new_seq_id())
                     self.scheduler.fork_seq(parent, child)  # shares all blocks; CoW on the next write
+                    # The group owns it at once: if the rest of this step fails, failing the group frees it.
+                    group.seqs.append(child)
                     survivors.append((child, cand))
         for index, parent in enumerate(beams):
             if index not in reused:
@@ -194,6 +194,21 @@ class BeamSearcher:
         state.running_scores = {seq.seq_id: cand.score for seq, cand in survivors}
         group.seqs = [seq for seq, _ in survivors] + [seq for _, seq in kept_seqs]
         return len(beams)
+
+    @staticmethod
+    def _select(
+        state: BeamSearchState, candidates: list[_Candidate], penalised: list[float], eos_ids: list[int], is_last: bool
+    ) -> tuple[list[_Candidate], list[tuple[float, Any]]]:
+        """(the next beams, the kept hypotheses) after this step's ranking."""
+        k = state.beam_width
+        eos_set = set(eos_ids)
+        hits = [is_last or cand.token_id in eos_set for cand in candidates]
+        next_beams = [] if is_last else [cand for cand, hit in zip(candidates, hits) if not hit][:k]
+        # Merge the new hypotheses into the kept ones; a stable sort keeps older ones first on ties.
+        merged: list[tuple[float, Sequence | _Candidate]] = list(state.finished)
+        merged += [(penalised[r], candidates[r]) for r in range(min(k, len(candidates))) if hits[r]]
+        merged.sort(key=lambda entry: -entry[0])
+        return next_beams, merged[:k]
 
     @staticmethod
     def _no_improvement(

@@ -85,6 +85,7 @@ class LLMEngine:
         if scheduler_config.kv_allocation != "paged":
             # A contiguous run comes from a buddy allocator: at most the largest power of two.
             pool_blocks = 1 << (pool_blocks.bit_length() - 1)
+        self.pool_blocks = pool_blocks
         self.max_seq_len = min(model_config.max_model_len, pool_blocks * cache_config.block_size)
         self._seq_counter = itertools.count()
         self.beam_searcher = BeamSearcher(
@@ -92,6 +93,9 @@ class LLMEngine:
         )
         self._request_counter = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        # What the engine is doing for the group being processed, for a failure's message.
+        self._stage: str | None = None  # set before each step of a group's processing
+        self._rows_per_group: list[int] = []  # sampler rows of each scheduled group, this step
         self._generators: dict[str, torch.Generator] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -112,7 +116,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         device = resolve_device(args.device)
-        model_config = load_model_config(args.model, args.dtype, args.max_model_len)
+        model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.quantization)
         tokenizer = load_tokenizer(model_config)
         max_num_batched_tokens = args.max_num_batched_tokens or max(model_config.max_model_len, 8192)
         cache_config = CacheConfig(
@@ -160,7 +164,8 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text, token_ids = parse_prompt(prompt, self.tokenizer, self.vocab_size)
         check_request(
-            token_ids, params, self.model_config.max_model_len, self.num_gpu_blocks * self.cache_config.block_size
+            token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
         )
         seq = Sequence(next(self._seq_counter), token_ids, self.cache_config.block_size)
         return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text)
@@ -193,12 +198,19 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of every request that ran or ended in it."""
+        """Run one iteration; return the outputs of every request that ran or ended in it.
+
+        An exception in the work of one request (building its sampling row, sampling it, beam
+        scoring, detokenizing, stop checks, building its output) finishes that request alone with
+        an error (``RequestOutput.error``, ``failed``) and frees its blocks; only a failure of the
+        step itself (scheduling, the forward pass, the worker) propagates, and is fatal.
+        """
         timer = self.step_timer
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
+        failed: list[RequestOutput] = []
         with timer.phase("prepare_inputs"):
-            step_input = self._build_step_input(sched)
+            step_input = self._build_step_input(sched, failed)
         if self._runner_timed:  # the worker and runner time their own phases
             sampler_output = self.worker.execute(step_input)
         else:
@@ -206,37 +218,51 @@ class LLMEngine:
                 sampler_output = self.worker.execute(step_input)
         self.num_steps += 1
         with timer.phase("process_outputs"):
-            outputs = self._process_outputs(sched, step_input, sampler_output)
+            outputs = failed + self._process_outputs(sched, step_input, sampler_output)
             for group in sched.ignored_seq_groups:
                 outputs.append(self._make_output(group))
                 self._forget(group)
             self.scheduler.free_finished_seq_groups()
         return outputs
 
-    def _build_step_input(self, sched: SchedulerOutputs) -> StepInput:
+    def _num_rows(self, group: SequenceGroup, seq: Sequence, is_prefill: bool) -> int:
+        """Sampler rows of one running sequence this step: best_of on the prompt step of a sampled
+        group (the extra samples become forks sharing its blocks), else one."""
+        params = group.sampling_params
+        is_first = is_prefill and not seq.output_token_ids and not params.use_beam_search
+        return params.best_of if is_first else 1
+
+    def _build_step_input(self, sched: SchedulerOutputs, failed: list[RequestOutput]) -> StepInput:
         seqs: list[SeqStepInput] = []
         block_manager = self.scheduler.block_manager
+        scheduled: list[SequenceGroup] = []
+        self._rows_per_group = []
         for group in sched.scheduled_seq_groups:
             params = group.sampling_params
             generator = self._generators.get(group.request_id)
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                tokens = seq.get_uncomputed_token_ids()
-                # The prompt step of a group with best_of > 1 samples best_of first tokens from
-                # the one computed prompt; the extra samples become forks sharing its blocks.
-                # Beam search instead ranks candidates from each beam's one row.
-                is_first = sched.is_prefill and not seq.output_token_ids and not params.use_beam_search
-                num_samples = params.best_of if is_first else 1
-                row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator)
-                seqs.append(
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            try:
+                num_rows = [self._num_rows(group, seq, sched.is_prefill) for seq in running]
+                group_seqs = [
                     SeqStepInput(
                         seq_id=seq.seq_id,
-                        token_ids=tokens,
+                        token_ids=seq.get_uncomputed_token_ids(),
                         start_pos=seq.num_computed_tokens,
                         block_table=block_manager.get_block_table(seq),
-                        sampling_row=row,
+                        sampling_row=SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator),
                         num_samples=num_samples,
                     )
-                )
+                    for seq, num_samples in zip(running, num_rows)
+                ]
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                failed.append(self._fail_group(group, "preparing its step", exc))
+                continue
+            seqs.extend(group_seqs)
+            scheduled.append(group)
+            self._rows_per_group.append(sum(num_rows))
+        # A failed group leaves the batch; blocks it freed may still appear in this step's copies
+        # and swaps, which is harmless: nothing allocates them before the step runs.
+        sched.scheduled_seq_groups = scheduled
         return StepInput(
             is_prefill=sched.is_prefill,
             seqs=seqs,
@@ -248,58 +274,110 @@ class LLMEngine:
     def _process_outputs(self, sched: SchedulerOutputs, step_input: StepInput, sampler_output) -> list[RequestOutput]:
         now = time.time()
         outputs: list[RequestOutput] = []
-        block_manager = self.scheduler.block_manager
+        failed_rows: dict[int, BaseException] = getattr(sampler_output, "failed_rows", None) or {}
         row = 0
-        for group in sched.scheduled_seq_groups:
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
-                group.metrics.time_in_queue = now - group.metrics.arrival_time
+        for group, num_rows in zip(sched.scheduled_seq_groups, self._rows_per_group, strict=True):
             running = group.get_seqs(SequenceStatus.RUNNING)
-            beam_rows: list[int] = []
-            for seq in running:
-                was_prompt = not seq.output_token_ids
-                if was_prompt:
-                    self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
-                seq.num_computed_tokens = seq.get_len()
-                block_manager.mark_computed(seq)
-                params = group.sampling_params
-                is_first = sched.is_prefill and was_prompt and not params.use_beam_search
-                num_samples = params.best_of if is_first else 1
-                samples = list(range(row, row + num_samples))
-                row += num_samples
-                if params.use_beam_search:
-                    beam_rows.extend(samples)  # the beams advance together, below
-                    continue
-                children = [seq]
-                for _ in samples[1:]:
-                    child = seq.fork(next(self._seq_counter))
-                    self.scheduler.fork_seq(seq, child)
-                    group.seqs.append(child)
-                    children.append(child)
-                for target, index in zip(children, samples):
-                    self._append_token(group, target, sampler_output, index)
-            if beam_rows:
-                logprobs = sampler_output.full_logprobs[beam_rows]
-                self.num_generation_tokens += self.beam_searcher.step(group, running, logprobs)
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            group.metrics.last_token_time = now
-            if group.is_finished():
-                group.metrics.finished_time = now
-            outputs.append(self._make_output(group))
+            # Rows as counted when the batch was built, so a failure cannot shift the next group's.
+            first_row = row
+            row += num_rows
+            self._stage = "sampling"
+            try:
+                for index in range(first_row, row):
+                    if index in failed_rows:
+                        raise failed_rows[index]
+                self._process_group(group, running, sched.is_prefill, sampler_output, first_row, now)
+                self._stage = "building its output"
+                output = self._make_output(group)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                outputs.append(self._fail_group(group, self._stage, exc))
+                continue
+            outputs.append(output)
             if group.is_finished():
                 self._forget(group)
         return outputs
+
+    def _process_group(
+        self, group: SequenceGroup, running: list[Sequence], is_prefill: bool, sampler_output, row: int, now: float
+    ) -> None:
+        """Append the sampled tokens of one group (forks, beam step, detokenize, stops)."""
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = now
+            group.metrics.time_in_queue = now - group.metrics.arrival_time
+        block_manager = self.scheduler.block_manager
+        params = group.sampling_params
+        beam_rows: list[int] = []
+        self._stage = "processing its output"
+        for seq in running:
+            was_prompt = not seq.output_token_ids
+            num_samples = self._num_rows(group, seq, is_prefill)
+            if was_prompt:
+                self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
+            seq.num_computed_tokens = seq.get_len()
+            block_manager.mark_computed(seq)
+            samples = list(range(row, row + num_samples))
+            row += num_samples
+            if params.use_beam_search:
+                beam_rows.extend(samples)  # the beams advance together, below
+                continue
+            children = [seq]
+            for _ in samples[1:]:
+                child = seq.fork(next(self._seq_counter))
+                self.scheduler.fork_seq(seq, child)
+                group.seqs.append(child)
+                children.append(child)
+            for target, index in zip(children, samples):
+                self._append_token(group, target, sampler_output, index)
+        if beam_rows:
+            self._stage = "scoring beams"
+            logprobs = sampler_output.full_logprobs[beam_rows]
+            self.num_generation_tokens += self.beam_searcher.step(group, running, logprobs)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
+        if group.is_finished():
+            group.metrics.finished_time = now
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, sampler_output, index: int) -> None:
         params = group.sampling_params
         top = sampler_output.top_logprobs[index] if params.logprobs is not None else None
         seq.append_token(sampler_output.token_ids[index], sampler_output.logprobs[index], top)
         self.num_generation_tokens += 1
+        self._stage = "detokenizing"
         new_text = detokenize_incrementally(self.tokenizer, seq, params)
+        self._stage = "checking stop conditions"
         check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
+        self._stage = "processing its output"
         if seq.is_finished():
             self.scheduler.free_seq(seq)
+
+    def _fail_group(self, group: SequenceGroup, stage: str | None, exc: BaseException) -> RequestOutput:
+        """Finish a request whose own processing raised: free every block it holds, report an error.
+
+        The message names the stage but not the exception (clients see it; the log has the rest).
+        """
+        stage = stage or "processing its output"
+        logger.error("request %s failed while %s; finishing it alone", group.request_id, stage, exc_info=exc)
+        now = time.time()
+        for seq in group.get_seqs():
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.scheduler.free_seq(seq)  # a no-op for a sequence that holds no blocks
+        group.error = (
+            f"request {group.request_id} failed while {stage} and was stopped; other requests are unaffected. "
+            "Check its parameters; the server log has the details."
+        )
+        group.failed = True
+        group.metrics.finished_time = now
+        self._forget(group)
+        try:
+            return self._make_output(group)
+        except Exception:  # noqa: BLE001 - a bare output still carries the error
+            return RequestOutput(
+                request_id=group.request_id, prompt=group.prompt,
+                prompt_token_ids=list(group.seqs[0].prompt_token_ids) if group.seqs else [],
+                outputs=[], finished=True, metrics=group.metrics, error=group.error, failed=True,
+            )
 
     def _forget(self, group: SequenceGroup) -> None:
         self._groups.pop(group.request_id, None)
@@ -333,6 +411,7 @@ class LLMEngine:
             finished=group.is_finished(),
             metrics=group.metrics,
             error=group.error,
+            failed=group.failed,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -109,12 +109,16 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"Got {len(params_list)} sampling params for {len(prompt_list)} prompts; give one or one each."
                 )
+        else:
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
+            )
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         groups = [

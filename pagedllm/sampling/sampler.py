@@ -19,7 +19,8 @@ row-wise); rows without a generator share the engine's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +34,8 @@ from pagedllm.sampling.penalties import (
     token_counts,
 )
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _EPS = 1e-5
 
@@ -57,6 +60,9 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
     # [N, V] raw logprobs, only when asked for (beam search ranks candidates with them).
     full_logprobs: torch.Tensor | None = None
+    # Rows whose sampling raised (row index -> the exception): their token is a placeholder and the
+    # engine finishes their request with an error; every other row was sampled normally.
+    failed_rows: dict[int, BaseException] = field(default_factory=dict)
 
 
 class Sampler:
@@ -84,6 +90,52 @@ class Sampler:
         if not rows:
             empty = logits.new_empty((0, self.vocab_size)) if return_full_logprobs else None
             return SamplerOutput([], [], [], empty)
+        return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
+        try:
+            return self._sample_batch(logits, rows, generator, return_full_logprobs)
+        except Exception:  # noqa: BLE001 - find the rows at fault: every other row must still get its token
+            logger.warning("sampling a batch of %d row(s) failed; sampling them one by one", len(rows))
+            return self._sample_rows_apart(logits, rows, generator, return_full_logprobs)
+
+    def _sample_rows_apart(
+        self, logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None, full: bool
+    ) -> SamplerOutput:
+        """Sample each row on its own; a row that raises gets a placeholder token and an entry in failed_rows.
+
+        Only taken after a batch failed (a request whose settings slipped past validation): one
+        request's bad settings must not take down every request batched with it.
+        """
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        top_logprobs: list[dict[int, float] | None] = []
+        full_rows: list[torch.Tensor] = []
+        failed: dict[int, BaseException] = {}
+        for index, row in enumerate(rows):
+            try:
+                one = self._sample_batch(logits[index : index + 1], [row], generator, full)
+            except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails the request
+                failed[index] = exc
+                token_ids.append(0)
+                logprobs.append(float("-inf"))
+                top_logprobs.append(None)
+                if full:
+                    full_rows.append(torch.full((1, self.vocab_size), float("-inf"), device=logits.device))
+                continue
+            token_ids.extend(one.token_ids)
+            logprobs.extend(one.logprobs)
+            top_logprobs.extend(one.top_logprobs)
+            if full:
+                assert one.full_logprobs is not None
+                full_rows.append(one.full_logprobs)
+        return SamplerOutput(token_ids, logprobs, top_logprobs, torch.cat(full_rows) if full else None, failed)
+
+    def _sample_batch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        generator: torch.Generator | None,
+        return_full_logprobs: bool,
+    ) -> SamplerOutput:
         # Some models pad the vocabulary; padded columns are never sampled.
         logits = logits[:, : self.vocab_size].float()
 
@@ -92,7 +144,6 @@ class Sampler:
         needs_presence_frequency = any(
             row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0 for row in rows
         )
-        return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
         wants_top = any(row.params.logprobs is not None for row in rows)
         all_greedy = all(_is_deterministic(row.params) for row in rows)
         plain_greedy = all_greedy and banned is None and not needs_repetition and not needs_presence_frequency
