@@ -10,8 +10,7 @@ import argparse
 from typing import Any
 
 from pagedllm.entrypoints.engine_flags import add_engine_args
-
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+from pagedllm.entrypoints.openai import defaults
 
 
 def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
@@ -26,13 +25,41 @@ def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         help="Require 'Authorization: Bearer KEY' on /v1 routes (or set PAGEDLLM_API_KEY).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Model name(s) clients use (default: the model path).")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="Larger request bodies get 413.")
+    limits = parser.add_argument_group("limits (see the README's Hardening section)")
+    limits.add_argument("--max-request-bytes", type=int, default=defaults.DEFAULT_MAX_REQUEST_BYTES,
+                        help="Larger request bodies get 413 (default 4 MiB).")
+    limits.add_argument("--max-prompts-per-request", type=_positive_int,
+                        default=defaults.DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="More prompts in one /v1/completions request get 400 (default %(default)s).")
+    limits.add_argument("--timeout-keep-alive", type=_positive_float, default=defaults.DEFAULT_TIMEOUT_KEEP_ALIVE,
+                        help="Seconds an idle keep-alive connection stays open (default %(default)s).")
+    limits.add_argument("--timeout-headers", type=_positive_float, default=defaults.DEFAULT_TIMEOUT_HEADERS,
+                        help="Seconds a connection has to send a request's headers, from opening or from the "
+                             "previous response; then it is closed (408) (default %(default)s).")
+    limits.add_argument("--timeout-body", type=_positive_float, default=defaults.DEFAULT_TIMEOUT_BODY,
+                        help="Seconds a request has to send its whole body; then 408 and the connection is "
+                             "closed (default %(default)s).")
+    limits.add_argument("--limit-concurrency", type=_positive_int, default=defaults.DEFAULT_LIMIT_CONCURRENCY,
+                        help="Most open connections or requests in flight; beyond, 503 (default %(default)s).")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     parser.add_argument("--disable-log-requests", action="store_true", help="No log line per request.")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="Seconds to wait for connections to close on SIGINT/SIGTERM.")
     add_engine_args(parser, model_flag=False)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,6 +75,19 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def serve_main(args: argparse.Namespace) -> None:
+    # Bind before importing the server (torch and the model take seconds): a busy port fails at once.
+    import logging
+
+    from pagedllm.entrypoints.openai.http_limits import PortInUseError, bind_socket, is_serving_rank
+
+    sock = None
+    if is_serving_rank():
+        try:
+            sock = bind_socket(args.host, args.port)
+        except PortInUseError as exc:
+            logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+            logging.getLogger("pagedllm.api").error("%s", exc)
+            raise SystemExit(1) from None
     from pagedllm.entrypoints.openai.api_server import run_server
 
-    run_server(args)
+    run_server(args, sock)

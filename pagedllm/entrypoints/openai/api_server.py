@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory, guard middleware, uvicorn runner.
+"""The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner.
 
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] ...
     python -m pagedllm.entrypoints.openai.api_server [same flags]
@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
+import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -24,12 +23,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.entrypoints.llm import render_chat
+from pagedllm.entrypoints.openai.defaults import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_TIMEOUT_BODY,
+)
+from pagedllm.entrypoints.openai.guard import GuardMiddleware
+from pagedllm.entrypoints.openai.http_limits import PortInUseError, bind_socket, is_serving_rank, server_config
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -42,122 +46,18 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, conversation
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, conversation, render_chat_checked
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pagedllm.api")
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Paths anyone may call even when an API key is set (probes and scrapers).
-_OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
-
-
-class GuardMiddleware:
-    """Before the app: API key (constant time) and body size limit; after it: one log line per request.
-
-    The body is read here, up to the limit, and replayed to the app: a body over the limit gets a
-    413 however it is sent (with a Content-Length or chunked).
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, log_requests: bool = True) -> None:
-        self.app = app
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
-        self.max_request_bytes = max_request_bytes
-        self.log_requests = log_requests
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self.expected_auth is None or scope["path"] in _OPEN_PATHS or scope["method"] == "OPTIONS":
-            return True
-        provided = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                provided = value
-                break
-        return hmac.compare_digest(provided, self.expected_auth)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        state: dict[str, Any] = {"status": None, "logged": False}
-        log_info = scope.setdefault("pagedllm.log", {})
-
-        def write_log() -> None:
-            if state["logged"] or not self.log_requests:
-                return
-            state["logged"] = True
-            client = scope.get("client")
-            where = f"{client[0]}:{client[1]}" if client else "-"
-            extras = " ".join(f"{k}={v}" for k, v in log_info.items())
-            logger.info(
-                '%s "%s %s" %s %.3fs %s', where, scope["method"], scope["path"], state["status"] or "-",
-                time.perf_counter() - start, extras,
-            )
-
-        async def send_and_log(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                write_log()
-
-        try:
-            if not self._authorized(scope):
-                error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send_and_log)
-                return
-            body_receive = await self._read_body(scope, receive, send_and_log)
-            if body_receive is None:
-                return
-            await self.app(scope, body_receive, send_and_log)
-        finally:
-            if state["status"] is None:
-                log_info.setdefault("disconnected", True)
-            write_log()
-
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
-        """Buffer the body (at most max_request_bytes) and return a receive that replays it; None if answered."""
-        too_large = APIError(
-            413, f"The request body is larger than the server's limit of {self.max_request_bytes} bytes.",
-            code="request_too_large",
-        )
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await bad_request("Invalid Content-Length header.").response()(scope, receive, send)
-                    return None
-                if declared > self.max_request_bytes:
-                    await too_large.response()(scope, receive, send)
-                    return None
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body = message.get("body", b"")
-            total += len(body)
-            if total > self.max_request_bytes:
-                await too_large.response()(scope, receive, send)
-                return None
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return replay
+# What each union-typed field accepts, for a 400 that says so (pydantic reports each member apart).
+_ACCEPTED_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers, not booleans) or a list of such lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -169,11 +69,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         detail = (first.get("ctx") or {}).get("error", "")
         return f"The request body is not valid JSON: {detail}".rstrip(": "), None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # A union (prompt, stop, content) reports one error per member: name the field, not the member.
     param = loc[0] if loc else None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    others = len(errors) - 1
+    # A union (prompt, stop, content) reports one error per member: name the field and what it takes.
+    union_field = next((name for name in reversed(loc) if name in _ACCEPTED_FORMS), None)
+    if union_field is not None and "surrogate" not in message:
+        loc = loc[: loc.index(union_field) + 1]
+        same_field = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][: len(loc)] == loc]
+        if len(same_field) > 1:
+            message = f"must be {_ACCEPTED_FORMS[union_field]}"
+            others = len(errors) - len(same_field)
     where = ".".join(loc) if loc else "body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+    more = f" (and {others} more problem(s))" if others else ""
+    return f"{where}: {message}{more}", param
 
 
 def build_app(
@@ -183,11 +92,15 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     engine: Any | None = None,
     log_requests: bool = True,
+    timeout_body: float = DEFAULT_TIMEOUT_BODY,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    on_engine_dead: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args unless ``engine`` is given).
 
     The engine loop starts with the app's lifespan and stops with it; a shutdown fails the
-    requests in flight with an error.
+    requests in flight with an error. ``on_engine_dead`` is called once if the engine fails for
+    good (run_server ends the process there); without it the app stays up and answers 503/500.
     """
     if engine is None:
         from pagedllm.engine.llm_engine import LLMEngine
@@ -201,7 +114,7 @@ def build_app(
         model = engine_args.model if engine_args is not None else None
         names = [model if model else DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncLLMEngine(engine, output_observer=metrics.observe_output)
+    async_engine = AsyncLLMEngine(engine, output_observer=metrics.observe_output, on_dead=on_engine_dead)
     metrics.requests_in_flight = lambda: async_engine.num_requests_in_flight
     model_config = engine.model_config
     ctx = ServingContext(
@@ -212,6 +125,7 @@ def build_app(
         max_num_seqs=int(engine.scheduler_config.max_num_seqs),
         vocab_size=int(model_config.hf_config.vocab_size),
         tokenizer=engine.tokenizer,
+        max_prompts_per_request=max_prompts_per_request,
     )
     completions = OpenAIServingCompletion(ctx)
     chats = OpenAIServingChat(ctx)
@@ -232,7 +146,7 @@ def build_app(
     app.state.serving_context = ctx
     app.state.metrics = metrics
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
-                       log_requests=log_requests)
+                       log_requests=log_requests, timeout_body=timeout_body)
 
     @app.exception_handler(APIError)
     async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
@@ -256,13 +170,16 @@ def build_app(
     @app.exception_handler(Exception)
     async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, f"Internal server error: {type(exc).__name__}", err_type="server_error").response()
+        return APIError(500, "Internal server error; the server log has the details.",
+                        err_type="server_error").response()
 
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_healthy:
-            reason = async_engine.dead_error
-            message = f"The engine loop has failed: {reason}" if reason is not None else "The server is shutting down."
+            if async_engine.dead_error is not None:
+                message = "The engine has failed; the server is shutting down to be restarted."
+            else:
+                message = "The server is shutting down."
             return APIError(503, message, code="unhealthy").response()
         return JSONResponse({"status": "ok"})
 
@@ -294,16 +211,18 @@ def build_app(
 
         def encode() -> list[int]:
             if request.prompt is not None:
-                return list(ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
-            return render_chat(ctx.tokenizer, conversation(request.messages or []), None,
-                               request.add_generation_prompt)[1]
+                try:
+                    return list(ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+                except Exception as exc:  # the tokenizer's error text means nothing to a client
+                    logger.warning("tokenizing failed", exc_info=exc)
+                    raise bad_request("prompt could not be tokenized; send plain UTF-8 text.", "prompt") from exc
+            return render_chat_checked(ctx.tokenizer, conversation(request.messages or []),
+                                       request.add_generation_prompt)[1]
 
         try:
             token_ids = await async_engine.run_in_engine_thread(encode)
-        except APIError:
-            raise
-        except Exception as exc:  # template errors and the like: the input is at fault
-            raise bad_request(str(exc), "messages" if request.messages is not None else "prompt") from exc
+        except ValueError as exc:  # render_chat_checked's messages say what to change
+            raise bad_request(str(exc), "messages") from exc
         body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids)
         return JSONResponse(body.model_dump())
 
@@ -356,38 +275,71 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Build the engine from parsed CLI flags and serve until SIGINT/SIGTERM."""
+def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """Bind the port (unless ``sock`` is bound already), build the engine from parsed CLI flags,
+    serve until SIGINT/SIGTERM.
+
+    Exits 1 if the port cannot be bound (before the model loads) and 1 if the engine fails for
+    good: the requests in flight are answered with an error, then the process ends so that a
+    supervisor restarts it (as vLLM does).
+    """
     from pagedllm.entrypoints.engine_flags import engine_args_from_cli
 
     log_level = str(getattr(args, "log_level", "info")).upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(log_level)
+    if sock is None and is_serving_rank():  # torchrun's other ranks only compute (they never serve)
+        try:
+            sock = bind_socket(args.host, args.port)
+        except PortInUseError as exc:
+            logger.error("%s", exc)
+            raise SystemExit(1) from None
+    if sock is not None:
+        logger.info("Listening on http://%s:%d; loading the model", args.host, args.port)
     engine_args = engine_args_from_cli(args)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    shutdown_timeout = float(getattr(args, "shutdown_timeout", 10))
+    servers: list[_Server] = []
+
+    def on_engine_dead(exc: BaseException) -> None:
+        logger.critical("The engine failed; answering the requests in flight with an error and exiting (code 1) "
+                        "so that a supervisor restarts the server.")
+        for server in servers:
+            server.should_exit = True
+        # Should the graceful shutdown hang, end the process anyway: a dead engine must not stay up.
+        backstop = threading.Timer(shutdown_timeout + 5.0, os._exit, args=(1,))
+        backstop.daemon = True
+        backstop.start()
+
     app = build_app(
         engine_args,
         served_model_name=args.served_model_name,
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,
         log_requests=not getattr(args, "disable_log_requests", False),
+        timeout_body=args.timeout_body,
+        max_prompts_per_request=args.max_prompts_per_request,
+        on_engine_dead=on_engine_dead,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("Listening on %s: reachable from other machines%s", args.host,
                        "" if api_key else " and no --api-key is set")
-    config = uvicorn.Config(
+    config = server_config(
         app,
-        host=args.host,
-        port=args.port,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_headers=args.timeout_headers,
+        limit_concurrency=args.limit_concurrency,
         log_level=log_level.lower(),
         access_log=False,  # GuardMiddleware writes one line per request
-        timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 10),
-        timeout_keep_alive=5,
+        timeout_graceful_shutdown=int(shutdown_timeout),
     )
     server = _Server(config, app.state.async_engine)
+    servers.append(server)
     logger.info("Serving %s on http://%s:%d", args.served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
                 args.host, args.port)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
+    if app.state.async_engine.dead_error is not None:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

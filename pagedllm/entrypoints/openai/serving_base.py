@@ -19,6 +19,7 @@ from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     RequestAbortedError,
+    RequestFailedError,
     RequestRejectedError,
 )
 from pagedllm.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ _STATUS_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
@@ -51,6 +53,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         err_type: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -58,12 +61,22 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.err_type = err_type or _STATUS_TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers or []  # e.g. connection: close after a request we stopped reading
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        response = ErrorJSONResponse(self.body(), status_code=self.status_code)
+        response.raw_headers.extend(self.headers)
+        return response
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON with everything outside ASCII escaped: a message quoting client input always encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -90,6 +103,7 @@ class ServingContext:
     max_num_seqs: int
     vocab_size: int
     tokenizer: Any
+    max_prompts_per_request: int = 1024
     _token_text_cache: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -137,7 +151,7 @@ class ServingContext:
             kwargs["temperature"] = kwargs.get("temperature", 0.0)
         try:
             return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc), set(kwargs) | {"stop"})) from exc
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
@@ -178,8 +192,9 @@ class ServingContext:
             for request_id in added:
                 self.async_engine.abort(request_id)
             if isinstance(exc, ValueError):
-                # The sampling params were checked already: what the engine refuses here is the prompt.
-                raise bad_request(str(exc), prompt_param) from exc
+                # The engine's own message (never a tokenizer's: prompts arrive tokenized or checked).
+                param = getattr(exc, "param", None)
+                raise bad_request(str(exc), prompt_param if param in (None, "prompt") else param) from exc
             raise
 
     def abort_unfinished(self, request_ids: list[str]) -> None:
@@ -193,14 +208,18 @@ class ServingContext:
             return exc
         if isinstance(exc, RequestRejectedError):
             return bad_request(str(exc), "prompt")
+        if isinstance(exc, RequestFailedError):  # this request alone; the message names the stage only
+            return APIError(500, str(exc), code="request_failed", err_type="server_error")
         if isinstance(exc, RequestAbortedError):
             return APIError(500, str(exc), code="request_aborted", err_type="server_error")
         if isinstance(exc, EngineDeadError):
             if self.async_engine.dead_error is None:
-                return APIError(503, str(exc), code="server_shutting_down")
-            return APIError(500, str(exc), code="engine_dead", err_type="server_error")
+                return APIError(503, "The server is shutting down; retry the request.", code="server_shutting_down")
+            # The exception is in the server log; the process is on its way out for a restart.
+            return APIError(500, "The engine failed and the server is restarting; retry the request shortly.",
+                            code="engine_dead", err_type="server_error")
         logger.exception("unexpected error while serving a request", exc_info=exc)
-        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}", err_type="server_error")
+        return APIError(500, "Internal server error; the server log has the details.", err_type="server_error")
 
 
 def set_log_info(raw_request: Request, **info: Any) -> None:
@@ -310,11 +329,23 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 def stop_holdback(text: str, stop_strings: list[str]) -> int:
-    """How many trailing characters of ``text`` could start a stop string (and must not be streamed yet)."""
+    """How many trailing characters of ``text`` could start a stop string (and must not be streamed yet).
+
+    Only the last ``len(stop) - 1`` characters can start a partial match; in that tail the candidate
+    starts are where the stop string's first character occurs (found by str.find, in C), tried
+    longest first, so a step costs about one comparison per stop string, not one per prefix length.
+    """
     longest = 0
+    text_len = len(text)
     for stop in stop_strings:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
+        window = min(len(stop) - 1, text_len)
+        if window <= longest:
+            continue
+        first = stop[0]
+        pos = text.find(first, text_len - window)
+        while pos != -1 and text_len - pos > longest:
+            if stop.startswith(text[pos:]):
+                longest = text_len - pos
                 break
+            pos = text.find(first, pos + 1)
     return longest

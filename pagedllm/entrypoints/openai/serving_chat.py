@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -36,6 +38,8 @@ from pagedllm.entrypoints.openai.serving_completion import finite
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
 
+logger = logging.getLogger("pagedllm.api")
+
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -62,6 +66,27 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "\n".join(parts)
         result.append({"role": message.role, "content": content or ""})
     return result
+
+
+def render_chat_checked(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> tuple[str, list[int]]:
+    """render_chat whose failures are ValueErrors a client can act on, never a Python error's text.
+
+    A template's own error (jinja2 TemplateError, e.g. raise_exception("roles must alternate")) is
+    the template author's message about the conversation, and is passed on.
+    """
+    try:
+        return render_chat(tokenizer, messages, None, add_generation_prompt)
+    except ValueError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"The chat template refused these messages: {exc.message or 'no reason given'}") from exc
+    except Exception as exc:  # noqa: BLE001 - tokenizer and template internals: log, answer plainly
+        logger.warning("rendering a chat failed", exc_info=exc)
+        raise ValueError(
+            "These messages could not be rendered with the model's chat template; check their roles and contents."
+        ) from exc
 
 
 def chat_logprobs(
@@ -94,12 +119,7 @@ class OpenAIServingChat:
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
         """On the engine thread: the chat template applied and tokenized; template errors are 400s."""
-        try:
-            return render_chat(self.ctx.tokenizer, messages, None, add_generation_prompt)
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 TemplateError and friends: the conversation is at fault
-            raise ValueError(f"The chat template could not render these messages: {exc}") from exc
+        return render_chat_checked(self.ctx.tokenizer, messages, add_generation_prompt)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         ctx = self.ctx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator
@@ -31,6 +32,8 @@ from pagedllm.entrypoints.openai.serving_base import (
 )
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
+
+logger = logging.getLogger("pagedllm.api")
 
 # A logprob JSON cannot carry (-inf): report it as vLLM does.
 _MIN_LOGPROB = -9999.0
@@ -80,9 +83,15 @@ class OpenAIServingCompletion:
         """On the engine thread: tokenize text prompts exactly as the engine would."""
         tokenizer = self.ctx.tokenizer
         encoded: list[tuple[str | None, list[int]]] = []
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                encoded.append((prompt, tokenizer.encode(prompt) if prompt else []))
+                try:
+                    token_ids = tokenizer.encode(prompt) if prompt else []
+                except Exception as exc:  # the tokenizer's own error text means nothing to a client
+                    logger.warning("tokenizing prompt %d failed", index, exc_info=exc)
+                    message = f"prompt {index} could not be tokenized; send plain UTF-8 text."
+                    raise bad_request(message, "prompt") from exc
+                encoded.append((prompt, token_ids))
             else:
                 encoded.append((None, list(prompt)))
         return encoded
@@ -102,6 +111,11 @@ class OpenAIServingCompletion:
         if request.stream and request.use_beam_search:
             raise bad_request("Beam search cannot stream; set stream to false.", "use_beam_search")
         prompts = prompt_list(request.prompt)
+        if len(prompts) > ctx.max_prompts_per_request:
+            raise bad_request(
+                f"prompt holds {len(prompts)} prompts; this server takes at most {ctx.max_prompts_per_request} per "
+                "request (--max-prompts-per-request). Split them over several requests.", "prompt"
+            )
         params = ctx.make_sampling_params(request, request.max_tokens, request.logprobs)
         encoded = await ctx.async_engine.run_in_engine_thread(self._encode, prompts)
         for _, token_ids in encoded:
