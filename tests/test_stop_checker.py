@@ -152,3 +152,20 @@ def test_stop_string_found_at_first_occurrence_whatever_the_split(
     # It stopped on the piece that completed the first occurrence.
     assert sum(len(piece) for piece in pieces[:taken]) >= first + len(stop)
     assert sum(len(piece) for piece in pieces[: taken - 1]) < first + len(stop)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab世", max_size=12),
+    stops=st.lists(st.text(alphabet="ab世c", min_size=1, max_size=8), max_size=4),
+)
+def test_stream_holds_back_exactly_the_longest_stop_prefix_ending_the_text(text: str, stops: list[str]) -> None:
+    """stop_holdback (the server's streaming) withholds the longest proper prefix of a stop string that
+    ends the text, found by first-character search instead of trying every prefix length."""
+    from pagedllm.entrypoints.openai.serving_base import stop_holdback
+
+    expected = max(
+        (n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+        default=0,
+    )
+    assert stop_holdback(text, stops) == expected
