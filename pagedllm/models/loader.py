@@ -231,7 +231,10 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
 
     _offline()
     source = model_config.tokenizer_path or model_config.gguf_file or model_config.model
-    source = resolve_model_path(source)
+    # A tokenizer folder (tokenizer files, no model) is taken as it is; anything else is a model path.
+    is_tokenizer_folder = os.path.isdir(source) and any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES)
+    if not is_tokenizer_folder:
+        source = resolve_model_path(source)
     try:
         if is_gguf_path(source):
             # The fast tokenizer class directly: AutoTokenizer would first re-parse the whole GGUF

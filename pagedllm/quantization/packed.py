@@ -111,6 +111,9 @@ class QuantizedWeight:
             raise ValueError(f"{what} has shape {tuple(tensor.shape)}, the model expects {(rows, self.shape[1])}.")
         if isinstance(tensor, torch.Tensor):
             tensor = self.quantizer(tensor) if self.quantizer is not None else tensor.detach().to(self.dtype).clone()
+        elif not tensor.data.is_contiguous() or tensor.data.untyped_storage().nbytes() > tensor.data.numel():
+            # A shard cut out of a whole tensor: keep a compact copy, not a view that pins the whole.
+            tensor = PackedTensor(tensor.data.contiguous().clone(), tensor.fmt, tensor.in_features)
         self.segments = [s for s in self.segments if s.offset + s.rows <= offset or s.offset >= offset + rows]
         self.segments.append(_Segment(offset, rows, tensor))
         self.segments.sort(key=lambda s: s.offset)

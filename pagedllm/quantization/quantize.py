@@ -3,6 +3,7 @@
 - ``int8``: one float32 scale per output channel, symmetric (``round(w / s)`` in [-127, 127]).
 - ``int4``: asymmetric groups of 32, 64 or 128 input values (``group_size``), each with an fp16
   scale and minimum (value = scale * q + min, q in 0..15), Q4_1's layout (group 32 is Q4_1).
+  A layer whose input size the group does not divide takes the largest smaller group that does.
 
 Each float tensor is quantized as it arrives from the checkpoint, so the float model never
 exists in memory at once.
@@ -61,5 +62,13 @@ def make_quantizer(method: str | None, group_size: int = 32) -> Callable[[torch.
     if method == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {sorted(INT4_GROUP_SIZES)}, got {group_size}.")
-        return lambda w: quantize_int4_groups(w, group_size)
+
+        def quantize_int4(weight: torch.Tensor) -> PackedTensor:
+            cols = weight.shape[1]
+            fitting = [g for g in sorted(INT4_GROUP_SIZES, reverse=True) if g <= group_size and cols % g == 0]
+            if not fitting:
+                raise ValueError(f"int4 quantization needs in_features divisible by 32; a layer has {cols}.")
+            return quantize_int4_groups(weight, fitting[0])
+
+        return quantize_int4
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {method!r}.")
