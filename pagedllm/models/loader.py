@@ -232,8 +232,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     _offline()
     source = model_config.tokenizer_path or model_config.gguf_file or model_config.model
     # A tokenizer folder (tokenizer files, no model) is taken as it is; anything else is a model path.
-    is_tokenizer_folder = os.path.isdir(source) and any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES)
-    if not is_tokenizer_folder:
+    has_tokenizer_files = any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES)
+    if not (os.path.isdir(source) and has_tokenizer_files):
         source = resolve_model_path(source)
     try:
         if is_gguf_path(source):
