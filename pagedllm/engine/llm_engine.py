@@ -117,6 +117,8 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         device = resolve_device(args.device)
         model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.quantization)
+        if args.tokenizer:
+            model_config.tokenizer_path = args.tokenizer
         tokenizer = load_tokenizer(model_config)
         max_num_batched_tokens = args.max_num_batched_tokens or max(model_config.max_model_len, 8192)
         cache_config = CacheConfig(
