@@ -279,6 +279,7 @@ def convert_default_model(folder: str) -> None:
     from pagedllm.models.loader import iter_weights, load_model_config, load_tokenizer
 
     model_config = load_model_config(None, dtype="float32")
+    model_config.gguf_dequantize = True  # the float32 weights the GGUF's blocks stand for
     hf_config = model_config.hf_config
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
