@@ -1,0 +1,94 @@
+"""pagedllm runner of benchmarks/quantized.py (protocol: _child.py). Runs in pagedllm's .venv.
+
+Options (JSON): ``llm`` — extra ``LLM(...)`` keyword arguments (``{"quantization": "int8"}``);
+``kv_tokens`` — KV cache slots to allocate (the largest concurrent load of the run, so pagedllm
+holds no more KV memory than the run needs); ``max_num_seqs``. Kernel switches come in as
+environment variables (``--pagedllm-env`` of quantized.py), set before pagedllm is imported.
+
+Single-stream decode time comes from the request's own metrics: first to last token time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from _child import main  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the tensors the model holds: parameters, buffers and plain tensor attributes (packed
+    weights and oneDNN-reordered copies may live in either), each storage counted once."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        try:
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # opaque (mkldnn) tensors have no storage view
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
+
+    for module in model.modules():
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            add(t)
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                add(value)
+    return total
+
+
+class PagedLLMRunner:
+    def __init__(self, model: str, threads: int, options: dict[str, Any]) -> None:
+        from pagedllm import LLM
+
+        kv_tokens = int(options.get("kv_tokens", 4096))
+        self.llm = LLM(model=model, num_threads=threads, num_kv_blocks=-(-kv_tokens // BLOCK_SIZE) + 4,
+                       block_size=BLOCK_SIZE, max_num_seqs=int(options.get("max_num_seqs", 256)),
+                       **options.get("llm", {}))
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        from pagedllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts),
+                                 use_tqdm=False)
+
+    def single(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        (out,) = self._generate([prompt], max_tokens)
+        m = out.metrics
+        return {"prefill_s": m.first_token_time - m.first_scheduled_time,
+                "decode_s": m.last_token_time - m.first_token_time, "tokens": len(out.outputs[0].token_ids)}
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        import time
+
+        start = time.perf_counter()
+        outs = self._generate(prompts, max_tokens)
+        elapsed = time.perf_counter() - start
+        return {"elapsed": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+    def memory(self) -> dict[str, Any]:
+        worker = self.llm.llm_engine.worker
+        model = getattr(worker, "model", None)
+        return {"weight_bytes": weight_bytes(model) if model is not None else None}
+
+
+def preload() -> None:
+    import pagedllm  # noqa: F401  (torch and the C++ extension: not the model's load time)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(PagedLLMRunner, preload))
