@@ -76,6 +76,15 @@ def tp1_llama(llama_dir):
 
 
 def _shards(model_dir: str, world_size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    # Plain parameters to compare: the oneDNN path would keep only reordered copies.
+    os.environ["PAGEDLLM_CPU_GEMM"] = "torch"
+    try:
+        return _build_shards(model_dir, world_size)
+    finally:
+        del os.environ["PAGEDLLM_CPU_GEMM"]
+
+
+def _build_shards(model_dir: str, world_size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     model_config = load_model_config(model_dir, "float32")
     full = build_model(model_config)
     shards = []

@@ -8,8 +8,9 @@ and 1.8 ms through oneDNN with a pre-reordered weight; the LM head (64 x 576 -> 
 (``torch.ops.mkldnn._linear_pointwise``), without compiling anything.
 
 ``pack_linears(model)`` runs after the weights are loaded. Each ``PackableLinear`` (and the LM
-head, through ``lm_head_matmul``) then keeps a reordered copy of its weight beside the original
-(which tensor parallel loaders, tying and tests still read). float32 results differ from
+head, through ``lm_head_matmul``) then keeps only the reordered copy of its weight: the plain
+parameter moves to the meta device (shape and dtype, no memory). A head tied to the embedding
+keeps its plain weight too, since the embedding looks rows up in it. float32 results differ from
 ``F.linear`` in the last bits only (another summation order). bfloat16 takes this path only
 where oneDNN supports it (AVX-512 / AMX / AVX-NE-CONVERT); elsewhere F.linear stays.
 ``PAGEDLLM_CPU_GEMM=torch`` turns the whole path off.
@@ -80,13 +81,23 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         for module in model.modules():
             if isinstance(module, PackableLinear) and isinstance(module.weight, torch.Tensor):
                 module.packed_weight = reorder_weight(module.weight)
+                _drop_plain_weight(module)
                 count += 1
         head = model.logits_head()
         if isinstance(head.weight, torch.Tensor):
             head.packed_weight = reorder_weight(head.weight)
+            if not getattr(model, "tie_word_embeddings", False):
+                _drop_plain_weight(head)  # a tied head is also the embedding, which looks rows up
             count += 1
     logger.info("oneDNN: %d linear weights reordered for the CPU", count)
     return count
+
+
+def _drop_plain_weight(module: nn.Module) -> None:
+    """Keep one copy of the weight: the reordered one. The parameter stays, on the meta device, so
+    the module still reports its shape and dtype."""
+    weight = module.weight
+    module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
 def lm_head_matmul(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
