@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.defaults import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -147,6 +148,7 @@ def build_app(
     app.state.metrics = metrics
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        log_requests=log_requests, timeout_body=timeout_body)
+    install_dashboard(app, async_engine, names[0])  # after the guard: its ?key= handling must run first
 
     @app.exception_handler(APIError)
     async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:

@@ -1,0 +1,71 @@
+"""The serving engine as a dashboard source: snapshots taken on the engine's own thread.
+
+LLMEngine is not thread-safe and AsyncLLMEngine runs every call into it on one worker thread,
+in submission order. Submitting the snapshot there puts it *between* two steps: the block
+tables, ref counts and queues it reads are never half-updated, and the engine is never
+touched from another thread. The snapshot only reads; its lists are fresh copies, so encoding
+them later (on the event loop) cannot race with the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.core.snapshot import take_snapshot
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestTiming
+from pagedllm.entrypoints.dashboard.hub import DashboardHub
+from pagedllm.sequence import RequestOutput
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """Cumulative counters the charts turn into rates (read on the engine thread)."""
+    scheduler = engine.scheduler
+    return {
+        "prompt_tokens": getattr(engine, "num_prompt_tokens", 0),
+        "generation_tokens": getattr(engine, "num_generation_tokens", 0),
+        "preemptions": scheduler.num_preempted_by_recompute + scheduler.num_preempted_by_swap,
+        "steps": getattr(engine, "num_steps", 0),
+    }
+
+
+class EngineSource:
+    def __init__(self, async_engine: AsyncLLMEngine) -> None:
+        self.async_engine = async_engine
+
+    def now(self) -> float:
+        return time.time()
+
+    def is_alive(self) -> bool:
+        return self.async_engine.is_healthy
+
+    def _capture(self) -> dict[str, Any]:
+        engine = self.async_engine.engine
+        snapshot = take_snapshot(engine.scheduler, getattr(engine, "max_seq_len", None))
+        snapshot["counters"] = engine_counters(engine)
+        return snapshot
+
+    async def capture(self) -> dict[str, Any]:
+        self.async_engine.check_alive()  # a dead engine's state is not worth drawing (EngineDeadError)
+        return await self.async_engine.run_in_engine_thread(self._capture)
+
+
+def observe_latencies(async_engine: AsyncLLMEngine, hub: DashboardHub) -> None:
+    """Chain the hub's TTFT / ITL recording after the engine's existing output observer.
+
+    Same definitions as the Prometheus histograms (entrypoints/openai/metrics.py); the hub
+    drops the samples unless someone is watching.
+    """
+    previous = async_engine.output_observer
+
+    def observe(output: RequestOutput, timing: RequestTiming, now: float, new_tokens: int) -> None:
+        if previous is not None:
+            previous(output, timing, now, new_tokens)
+        if not new_tokens or not hub.active:
+            return
+        if timing.first_token_time is None:
+            hub.record_ttft(now, max(now - timing.arrival_time, 0.0))
+        elif timing.last_token_time is not None:
+            hub.record_itl(now, max(now - timing.last_token_time, 0.0))
+
+    async_engine.output_observer = observe

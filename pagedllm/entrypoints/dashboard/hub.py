@@ -1,0 +1,138 @@
+"""DashboardHub: one snapshot per tick, shared by every viewer, and nothing at all without viewers.
+
+A ticker task runs only while at least one Server-Sent-Events client is connected: each tick it
+asks the source for one snapshot (taken between engine steps), adds the derived series (token
+rates, latency percentiles, a history point), encodes it once and hands the same bytes to every
+subscriber. A subscriber keeps only the newest payload, so a slow browser skips updates instead
+of queueing them (coalescing). When the last subscriber leaves, the ticker stops and the latency
+recorders switch off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from pagedllm.entrypoints.dashboard.series import LatencyWindow, RateMeter, history_point
+
+logger = logging.getLogger("pagedllm.dashboard")
+
+DEFAULT_INTERVAL_S = 0.25  # 4 updates per second: live, yet a small share of the engine thread
+DEFAULT_HISTORY_S = 300.0  # "the last minutes" of the charts
+
+
+class DashboardSource(Protocol):
+    """Where snapshots come from: the serving engine or the simulator."""
+
+    def now(self) -> float:
+        """The source's clock (wall time for a server, simulated time for the simulator)."""
+
+    def is_alive(self) -> bool:
+        """False once the source has stopped for good (shutdown, a dead engine)."""
+
+    async def capture(self) -> dict[str, Any]:
+        """core.snapshot.take_snapshot(...) plus ``counters``, taken safely between steps."""
+
+
+class _Subscriber:
+    def __init__(self) -> None:
+        self.payload: bytes | None = None
+        self.ready = asyncio.Event()
+
+    def offer(self, payload: bytes) -> None:
+        self.payload = payload  # replaces an unsent one: the newest state is all a viewer needs
+        self.ready.set()
+
+
+def sse_event(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class DashboardHub:
+    def __init__(self, source: DashboardSource, interval_s: float = DEFAULT_INTERVAL_S,
+                 history_s: float = DEFAULT_HISTORY_S, latency_window_s: float = 120.0) -> None:
+        self.source = source
+        self.interval_s = interval_s
+        self.history: deque[dict[str, Any]] = deque(maxlen=max(1, int(history_s / interval_s)))
+        self.ttft = LatencyWindow(latency_window_s)
+        self.itl = LatencyWindow(latency_window_s)
+        self.rates = RateMeter()
+        self._subscribers: set[_Subscriber] = set()
+        self._ticker: asyncio.Task | None = None
+        self.num_snapshots = 0  # for tests: proves that nobody watching means no snapshot work
+
+    @property
+    def active(self) -> bool:
+        """True while someone watches: the latency observers record only then."""
+        return bool(self._subscribers)
+
+    def record_ttft(self, now: float, seconds: float) -> None:
+        if self._subscribers:
+            self.ttft.record(now, seconds)
+
+    def record_itl(self, now: float, seconds: float) -> None:
+        if self._subscribers:
+            self.itl.record(now, seconds)
+
+    async def state(self) -> dict[str, Any]:
+        """A full snapshot with its derived series (the /dashboard/state document)."""
+        snapshot = await self.source.capture()
+        self.num_snapshots += 1
+        now = self.source.now()
+        rates = self.rates.update(now, {name: float(snapshot["counters"].get(name, 0))
+                                        for name in ("prompt_tokens", "generation_tokens")})
+        point = history_point(now, snapshot, rates, self.ttft.percentiles(now), self.itl.percentiles(now))
+        snapshot["time"] = point["t"]
+        snapshot["throughput"] = point["tps"]
+        snapshot["latency"] = {"ttft": point["ttft"], "itl": point["itl"], "window_s": self.ttft.window_s}
+        snapshot["point"] = point
+        return snapshot
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE stream of one viewer: the history so far, then a ``state`` event per tick."""
+        subscriber = _Subscriber()
+        self._subscribers.add(subscriber)
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="pagedllm-dashboard")
+        try:
+            yield sse_event("history", list(self.history))
+            while self.source.is_alive():
+                with contextlib.suppress(TimeoutError):
+                    # Wake now and then even without news, so a shutdown ends the stream promptly.
+                    await asyncio.wait_for(subscriber.ready.wait(), timeout=1.0)
+                if subscriber.ready.is_set():
+                    subscriber.ready.clear()
+                    payload, subscriber.payload = subscriber.payload, None
+                    if payload is not None:
+                        yield payload
+            yield sse_event("end", {"reason": "the server is shutting down or its engine has stopped"})
+        finally:
+            self._subscribers.discard(subscriber)
+            if not self._subscribers and self._ticker is not None:
+                self._ticker.cancel()
+                self._ticker = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._subscribers and self.source.is_alive():
+            started = loop.time()
+            try:
+                state = await self.state()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed snapshot must not end the stream (or the server)
+                logger.exception("dashboard snapshot failed")
+                await asyncio.sleep(1.0)
+                continue
+            self.history.append(state["point"])
+            # Encode once for every viewer; a large pool's map is the bulk of it.
+            payload = await asyncio.to_thread(sse_event, "state", state) if len(state["map"]["state"]) > 20_000 \
+                else sse_event("state", state)
+            for subscriber in list(self._subscribers):
+                subscriber.offer(payload)
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

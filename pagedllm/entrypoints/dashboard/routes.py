@@ -1,0 +1,87 @@
+"""The dashboard's HTTP surface: the page, the JSON snapshot and the SSE stream.
+
+    GET /dashboard          the page (HTML, CSS and JS inlined: one self-contained document)
+    GET /dashboard/state    one snapshot, JSON (see the README's "Dashboard" section)
+    GET /dashboard/events   Server-Sent Events: ``history`` once, then ``state`` a few times a second
+
+With ``--api-key`` these routes need the key like every other route. A browser cannot put a
+header on a page load or on an EventSource, so ``?key=KEY`` is accepted on /dashboard paths
+only: DashboardKeyMiddleware turns it into the ``Authorization`` header before the server's
+GuardMiddleware checks it (constant-time, as for any route). The page forwards the key it was
+opened with to its own requests.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.entrypoints.dashboard.hub import DashboardHub
+
+PREFIX = "/dashboard"
+
+
+class DashboardKeyMiddleware:
+    """``?key=`` on a /dashboard path becomes ``Authorization: Bearer <key>`` (when none is sent).
+
+    Add it after GuardMiddleware so that it runs before it (Starlette runs the last added first).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PREFIX) and scope.get("query_string"):
+            keys = parse_qs(scope["query_string"].decode("latin-1")).get("key")
+            headers = scope.get("headers", [])
+            if keys and not any(name == b"authorization" for name, _ in headers):
+                scope = dict(scope, headers=[*headers, (b"authorization", f"Bearer {keys[0]}".encode("latin-1"))])
+        await self.app(scope, receive, send)
+
+
+@cache
+def _asset(name: str) -> str:
+    return resources.files("pagedllm.entrypoints.dashboard").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def render_page(config: dict[str, Any]) -> str:
+    """The page with its stylesheet, script and settings inlined (nothing else is fetched)."""
+    # "</" inside inlined text would end the <script> element early.
+    config_json = json.dumps(config).replace("</", "<\\/")
+    return (
+        _asset("dashboard.html")
+        .replace("/*__DASHBOARD_CSS__*/", _asset("dashboard.css"))
+        .replace("/*__DASHBOARD_CONFIG__*/", config_json)
+        .replace("/*__DASHBOARD_JS__*/", _asset("dashboard.js").replace("</", "<\\/"))
+    )
+
+
+def add_dashboard_routes(app: FastAPI, hub: DashboardHub, title: str) -> None:
+    """Register the dashboard on ``app`` (call after the app's GuardMiddleware is added)."""
+    app.add_middleware(DashboardKeyMiddleware)
+    app.state.dashboard_hub = hub
+    page = render_page({"title": title, "interval_s": hub.interval_s})
+
+    @app.get(PREFIX, include_in_schema=False)
+    async def dashboard_page() -> HTMLResponse:
+        # no-store: the page carries the key in its URL; don't keep copies of it around.
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+    @app.get(PREFIX + "/state")
+    async def dashboard_state() -> JSONResponse:
+        return JSONResponse(await hub.state(), headers={"Cache-Control": "no-store"})
+
+    @app.get(PREFIX + "/events")
+    async def dashboard_events() -> StreamingResponse:
+        return StreamingResponse(
+            hub.events(), media_type="text/event-stream",
+            # X-Accel-Buffering: a reverse proxy (nginx) must pass each event on at once.
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
