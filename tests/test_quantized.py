@@ -14,7 +14,7 @@ from gguf_models import Q4_K_M, random_kquant, write_tiny_llama_gguf
 import pagedllm.engine.llm_engine as llm_engine_module
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
-from pagedllm.models.cpu_gemm import PackableLinear, reorder_weight
+from pagedllm.models.cpu_gemm import PackableLinear
 from pagedllm.models.loader import build_model, load_model_config
 from pagedllm.quantization import formats
 from pagedllm.quantization.apply import packed_weight_bytes
@@ -237,21 +237,21 @@ def test_tensor_parallel_refuses_a_split_inside_a_block(gguf_dir, tokenizer_dir)
 # ----------------------------------------------------------------- load-time quantization (HF)
 
 
-def _dequantized_reference(folder: str, method: str, group_size: int) -> LLM:
+def _dequantized_reference(folder: str, method: str, group_size: int, monkeypatch) -> LLM:
     """A float engine whose decoder linears hold exactly the values the quantizer stores."""
-    llm = LLM(folder, dtype="float32", num_kv_blocks=64, block_size=8)
+    with monkeypatch.context() as patch:
+        patch.setenv("PAGEDLLM_CPU_GEMM", "torch")  # plain float parameters to overwrite
+        llm = LLM(folder, dtype="float32", num_kv_blocks=64, block_size=8)
     quantizer = make_quantizer(method, group_size)
     with torch.no_grad():
         for module in llm.llm_engine.worker.runner.model.modules():
             if isinstance(module, PackableLinear):
                 module.weight.copy_(quantizer(module.weight).dequantize())
-                if module.packed_weight is not None:
-                    module.packed_weight = reorder_weight(module.weight)
     return llm
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "int4-g32", "int4-g64"])
-def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quantization):
+def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quantization, monkeypatch):
     folder = tiny_model_factory("llama")
     llm = LLM(folder, dtype="float32", quantization=quantization, num_kv_blocks=64, block_size=8)
     model = llm.llm_engine.worker.runner.model
@@ -262,7 +262,7 @@ def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quanti
     float_bytes = sum(m.weight.shape.numel() * 4 for m in model.modules() if isinstance(m, PackableLinear))
     assert packed_bytes < float_bytes * (0.27 if quantization == "int8" else 0.16)
     method, _, group = quantization.partition("-g")
-    reference = _dequantized_reference(folder, method, int(group or 128))
+    reference = _dequantized_reference(folder, method, int(group or 128), monkeypatch)
     vocab = model.config.vocab_size
     assert _greedy(llm, _prompts(vocab)) == _greedy(reference, _prompts(vocab))
     assert_no_leaks(llm)

@@ -22,6 +22,7 @@ _SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
     for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "quant_linear_cpu.cpp", "bindings.cpp")
 ]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", "quant_formats.h")]
 _lock = threading.Lock()
 
 
@@ -29,7 +30,7 @@ def _build_name() -> str:
     """The extension's name carries a digest of its sources and of this CPU's feature flags: two
     checkouts (or a CPU with other instructions, built with -march=native) never share a build."""
     digest = hashlib.sha256()
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
     try:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.quantization.formats import Format, dequantize
 
-# Up to this many activation rows the C++ kernel decodes weight tiles per step in L1; beyond it,
+# Up to this many activation rows the float C++ kernel decodes weight tiles per step in L1; beyond it,
 # it decodes panels of rows once and hands them to at::mm (prefill).
 SMALL_M = 48
 # Rows of a weight dequantized at once by the reference path (bounds its temporary memory).

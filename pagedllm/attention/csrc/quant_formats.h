@@ -1,0 +1,244 @@
+// Packed weight formats for the CPU kernels: ids, block geometry, and decoding a row's blocks to
+// float32 in vector registers (visit_row). The ids match pagedllm/quantization/formats.py.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm_quant {
+
+// Format ids shared with pagedllm/quantization/formats.py.
+enum Format : int64_t {
+  F_Q4_0 = 2,
+  F_Q4_1 = 3,
+  F_Q8_0 = 8,
+  F_Q4_K = 12,
+  F_Q5_K = 13,
+  F_Q6_K = 14,
+  F_I4_G64 = 1064,   // int4 groups of 64: fp16 scale, fp16 min, 32 bytes of nibbles (Q4_1's layout, wider)
+  F_I4_G128 = 1128,  // the same with groups of 128
+  F_I8_ROW = 1008,   // int8 per output channel: K int8 then one float32 scale at the row's end
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline int64_t block_values(int64_t format) {
+  switch (format) {
+    case F_Q4_0: case F_Q4_1: case F_Q8_0: return 32;
+    case F_Q4_K: case F_Q5_K: case F_Q6_K: return 256;
+    case F_I4_G64: return 64;
+    case F_I4_G128: return 128;
+    case F_I8_ROW: return 16;  // no blocks; 16 keeps chunks vector-sized
+  }
+  TORCH_CHECK(false, "unknown quantized weight format ", format);
+}
+
+inline int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case F_Q4_0: return 18;
+    case F_Q4_1: return 20;
+    case F_Q8_0: return 34;
+    case F_Q4_K: return 144;
+    case F_Q5_K: return 176;
+    case F_Q6_K: return 210;
+    case F_I4_G64: return 36;
+    case F_I4_G128: return 68;
+    case F_I8_ROW: return 16;
+  }
+  TORCH_CHECK(false, "unknown quantized weight format ", format);
+}
+
+inline int64_t row_bytes(int64_t format, int64_t k) {
+  if (format == F_I8_ROW) return k + 4;
+  return k / block_values(format) * block_bytes(format);
+}
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// 16 bytes -> 16 int32 lanes (vpmovzxbd / vpmovsxbd with a memory operand).
+inline i32x16 widen_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  struct { __m256i a, b; } v{lo, hi};
+#else
+  i32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+#endif
+  i32x16 out;
+  std::memcpy(&out, &v, 64);
+  return out;
+}
+
+inline i32x16 widen_i8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  struct { __m256i a, b; } v{lo, hi};
+#else
+  i32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<int8_t>(p[i]);
+#endif
+  i32x16 out;
+  std::memcpy(&out, &v, 64);
+  return out;
+}
+
+inline vec16 to_float(i32x16 v) { return __builtin_convertvector(v, vec16); }
+
+inline void k_scale_min(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Walks values [k0, k1) of one packed row (k0, k1 on block boundaries), 16 at a time, calling
+// emit(offset from k0, the 16 float values). Inlined into its callers: decode_row stores the
+// values, the few-row GEMV multiplies them straight into its accumulators. Nibbles are split
+// after widening bytes to int32 lanes (and / shift on dwords; x86 has no byte shifts), and each
+// value is one FMA of its integer (scale * q + offset).
+template <class Emit>
+inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0, int64_t k1, Emit&& emit) {
+  const int64_t bv = block_values(format), bb = block_bytes(format);
+  const int64_t b0 = k0 / bv, b1 = k1 / bv;
+  switch (format) {
+    case F_I8_ROW: {
+      float scale;
+      std::memcpy(&scale, row + k, 4);
+      for (int64_t j = k0; j < k1; j += 16) emit(j - k0, to_float(widen_i8(row + j)) * scale);
+      break;
+    }
+    case F_Q4_0:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk), o = -8.f * d;
+        const i32x16 v = widen_u8(blk + 2);
+        const int64_t at = b * bv - k0;
+        emit(at, to_float(v & 0xF) * d + o);
+        emit(at + 16, to_float(v >> 4) * d + o);
+      }
+      break;
+    case F_Q4_1: case F_I4_G64: case F_I4_G128:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk), o = half_to_float(blk + 2);
+        const int64_t at = b * bv - k0, half = bv / 2;
+        for (int64_t c = 0; c < half; c += 16) {
+          const i32x16 v = widen_u8(blk + 4 + c);
+          emit(at + c, to_float(v & 0xF) * d + o);
+          emit(at + half + c, to_float(v >> 4) * d + o);
+        }
+      }
+      break;
+    case F_Q8_0:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk);
+        const int64_t at = b * bv - k0;
+        emit(at, to_float(widen_i8(blk + 2)) * d);
+        emit(at + 16, to_float(widen_i8(blk + 18)) * d);
+      }
+      break;
+    case F_Q4_K: case F_Q5_K:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        const uint8_t* scales = blk + 4;
+        const uint8_t* qh = blk + 16;  // Q5_K only
+        const uint8_t* qs = blk + (format == F_Q5_K ? 48 : 16);
+        const int64_t at = b * bv - k0;
+        for (int j = 0; j < 4; ++j) {
+          int sc1, m1, sc2, m2;
+          k_scale_min(2 * j, scales, &sc1, &m1);
+          k_scale_min(2 * j + 1, scales, &sc2, &m2);
+          const float d1 = d * sc1, o1 = -dmin * m1, d2 = d * sc2, o2 = -dmin * m2;
+          for (int c = 0; c < 32; c += 16) {
+            const i32x16 q = widen_u8(qs + 32 * j + c);
+            i32x16 lo = q & 0xF, hi = q >> 4;
+            if (format == F_Q5_K) {
+              const i32x16 h = widen_u8(qh + c);
+              lo |= ((h >> (2 * j)) & 1) << 4;
+              hi |= ((h >> (2 * j + 1)) & 1) << 4;
+            }
+            emit(at + 64 * j + c, to_float(lo) * d1 + o1);
+            emit(at + 64 * j + 32 + c, to_float(hi) * d2 + o2);
+          }
+        }
+      }
+      break;
+    case F_Q6_K:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = half_to_float(blk + 208);
+        const int64_t at = b * bv - k0;
+        for (int n = 0; n < 2; ++n) {
+          const uint8_t* l6 = blk + 64 * n;
+          const uint8_t* h6 = blk + 128 + 32 * n;
+          const int8_t* s6 = sc + 8 * n;
+          for (int c = 0; c < 2; ++c) {  // 16 values share a scale
+            const i32x16 a = widen_u8(l6 + 16 * c), a2 = widen_u8(l6 + 32 + 16 * c), h = widen_u8(h6 + 16 * c);
+            const i32x16 q1 = (a & 0xF) | ((h & 3) << 4);
+            const i32x16 q2 = (a2 & 0xF) | (((h >> 2) & 3) << 4);
+            const i32x16 q3 = (a >> 4) | (((h >> 4) & 3) << 4);
+            const i32x16 q4 = (a2 >> 4) | (((h >> 6) & 3) << 4);
+            const float s1 = d * s6[c], s2 = d * s6[c + 2], s3 = d * s6[c + 4], s4 = d * s6[c + 6];
+            const int64_t y = at + 128 * n + 16 * c;
+            emit(y, to_float(q1) * s1 - 32.f * s1);
+            emit(y + 32, to_float(q2) * s2 - 32.f * s2);
+            emit(y + 64, to_float(q3) * s3 - 32.f * s3);
+            emit(y + 96, to_float(q4) * s4 - 32.f * s4);
+          }
+        }
+      }
+      break;
+    default:
+      TORCH_CHECK(false, "unknown quantized weight format ", format);
+  }
+}
+
+inline void decode_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0, int64_t k1, float* out) {
+  visit_row(format, row, k, k0, k1, [out](int64_t at, vec16 v) { store16(out + at, v); });
+}
+
+inline void check_weight(const torch::Tensor& qweight, int64_t format, int64_t k) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kByte && qweight.dim() == 2,
+              "packed weight must be a CPU uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(k % block_values(format) == 0, "in_features ", k, " is not a multiple of the format's block of ",
+              block_values(format));
+  TORCH_CHECK(qweight.size(1) == row_bytes(format, k), "packed rows hold ", qweight.size(1), " bytes; ",
+              row_bytes(format, k), " expected for ", k, " inputs");
+  TORCH_CHECK(qweight.is_contiguous(), "packed weight must be contiguous");
+}
+
+}  // namespace pagedllm_quant
