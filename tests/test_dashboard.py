@@ -7,10 +7,12 @@ reuses the step gate and the workload defined here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -184,6 +186,39 @@ def test_latency_window_percentiles_forget_old_samples():
     assert window.percentiles(100.0) == {"p50": None, "p90": None, "p99": None}
 
 
+def test_stepped_simulation_shares_frees_and_times_tokens():
+    from pagedllm.entrypoints.dashboard.simulated import SteppedSimulation
+    from pagedllm.simulator import CostModel, SimConfig, TraceRequest, get_hardware, get_model_shape
+
+    def trace(round_index: int) -> list[TraceRequest]:
+        return [TraceRequest(f"q{i}", prompt_len=40, output_len=12, arrival_time=0.05 * i, n=2) for i in range(6)]
+
+    cost_model = CostModel.from_hardware(get_model_shape("opt-13b"), get_hardware("a100-40gb"))
+    config = SimConfig(block_size=BS, num_gpu_blocks=64, enable_prefix_caching=True, max_model_len=2048)
+    sim = SteppedSimulation(trace, cost_model, config, shared_prefix_len=32)
+    ttfts, itls = [], []
+    sim.on_ttft = lambda now, seconds: ttfts.append(seconds)
+    sim.on_itl = lambda now, seconds: itls.append(seconds)
+    saved = {"saved_by_forks": 0, "saved_by_prefix": 0}
+    for _ in range(500):
+        if sim.round == 1 and sim.next_arrival == len(sim.pending) and not sim.scheduler.has_unfinished_seqs():
+            break
+        sim.step()
+        sharing = take_snapshot(sim.scheduler, sim.max_len)["sharing"]
+        for name in saved:
+            saved[name] = max(saved[name], sharing[name])
+    else:
+        raise AssertionError("the first round did not finish")
+    assert sim.scheduler.block_manager.all_free()
+    assert saved["saved_by_forks"] > 0 and saved["saved_by_prefix"] > 0  # samples and the common prefix
+    assert len(ttfts) == 6 and len(itls) == 6 * 11 and min(itls) > 0
+    assert sim.counters()["generation_tokens"] == 6 * 2 * 12
+    snap = take_snapshot(sim.scheduler, sim.max_len)
+    assert snap["blocks"]["cached"] > 0 and snap["blocks"]["used"] == 0
+    sim.step()  # a used-up trace is followed by the next round: the picture never goes still
+    assert sim.round == 2 and sim.pending[0].request_id.startswith("r1-")
+
+
 # ---------------------------------------------------------------------------------- the hub
 
 
@@ -296,22 +331,30 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def gated_server(tiny_model_factory):
+@contextlib.contextmanager
+def gated_server_running(model_path: str) -> Iterator[SimpleNamespace]:
     """A server (tiny Llama, 64 blocks of 16, an API key) whose engine steps only when told."""
     from test_server import ServerThread
 
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    args = EngineArgs(model=tiny_model_factory("llama"), num_kv_blocks=64, block_size=BS, device="cpu",
-                      dtype="float32", max_num_seqs=16, num_threads=1)
+    args = EngineArgs(model=model_path, num_kv_blocks=64, block_size=BS, device="cpu", dtype="float32",
+                      max_num_seqs=16, num_threads=1)
     engine = LLMEngine.from_engine_args(args)
     gate = StepGate(engine)
     app = build_app(engine=engine, served_model_name="tiny", api_key=API_KEY, log_requests=False)
     with ServerThread(app) as server:
-        yield SimpleNamespace(url=server.url, engine=engine, gate=gate, app=app)
-        gate.release()
+        try:
+            yield SimpleNamespace(url=server.url, engine=engine, gate=gate, app=app, threads=[])
+        finally:
+            gate.release()  # let the requests in flight finish, so the server stops at once
+
+
+@pytest.fixture
+def gated_server(tiny_model_factory):
+    with gated_server_running(tiny_model_factory("llama")) as server:
+        yield server
 
 
 def post_completion(url: str, prompt: list[int], **extra) -> threading.Thread:
@@ -367,8 +410,8 @@ def test_state_endpoint_with_requests_in_flight(gated_server):
         {name: expected[name] for name in ("used", "shared", "cached", "swapped", "free")}
     assert state["queues"] == {"running": 3, "waiting": 0, "swapped": 0}
     assert state["sharing"]["saved_by_forks"] == 4 and state["sharing"]["saved_by_prefix"] == 2
-    # Arrival order: the n=3 request, then the two sharing a prefix.
-    assert [(r["state"], r["num_seqs"], r["blocks"], r["shared_blocks"]) for r in state["requests"]] == \
-        [("running", 3, 5, 2), ("running", 1, 3, 2), ("running", 1, 3, 2)]
+    # The n=3 request and the first prefix request arrived together (either order), then the third.
+    assert sorted((r["state"], r["num_seqs"], r["blocks"], r["shared_blocks"]) for r in state["requests"]) == \
+        [("running", 1, 3, 2), ("running", 1, 3, 2), ("running", 3, 5, 2)]
     assert state["waste"]["token"] > 0 and state["waste"]["external"] == 0
     assert state["counters"]["steps"] == 5

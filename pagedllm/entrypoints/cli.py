@@ -1,4 +1,4 @@
-"""`pagedllm generate | chat | serve` on the command line."""
+"""`pagedllm generate | chat | serve | simulate | dashboard` on the command line."""
 
 from __future__ import annotations
 
@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.simulate_cli import add_simulate_parser
 
     add_simulate_parser(sub)
+    from pagedllm.entrypoints.dashboard.cli import add_dashboard_parser
+
+    add_dashboard_parser(sub)
     return parser
 
 

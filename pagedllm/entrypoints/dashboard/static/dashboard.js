@@ -164,19 +164,20 @@
 
   const layouts = new Map();
 
-  function layoutFor(canvas, numBlocks) {
+  function layoutFor(canvas, numBlocks, maxHeight) {
     const width = Math.max(60, canvas.clientWidth || canvas.parentElement.clientWidth);
-    let cell = Math.floor(Math.sqrt((width * MAP_MAX_HEIGHT) / Math.max(1, numBlocks)));
+    let cell = Math.floor(Math.sqrt((width * maxHeight) / Math.max(1, numBlocks)));
     cell = Math.max(1, Math.min(22, cell));
     const cols = Math.max(1, Math.floor(width / cell));
     const rows = Math.max(1, Math.ceil(numBlocks / cols));
     return { cell, cols, rows, gap: cell >= 5 ? 1 : 0, numBlocks };
   }
 
-  function drawPool(canvas, map, requests, blockSize, isCpu) {
+  function drawPool(canvas, map, requests, blockSize, isCpu, maxHeight) {
     const n = map.state.length;
-    const layout = layoutFor(canvas, n);
+    const layout = layoutFor(canvas, n, maxHeight);
     layouts.set(canvas, { layout, map, requests, blockSize, isCpu });
+    if (!isCpu) dash.layout = layout;
     const { cell, cols, rows, gap } = layout;
     const width = cols * cell, height = rows * cell;
     if (canvas.width !== width || canvas.height !== height) {
@@ -230,11 +231,12 @@
   function drawMaps(s) {
     const gpuCanvas = document.getElementById('gpu-map');
     const cpuCanvas = document.getElementById('cpu-map');
-    drawPool(gpuCanvas, s.map, s.requests, s.block_size, false);
+    drawPool(gpuCanvas, s.map, s.requests, s.block_size, false, MAP_MAX_HEIGHT);
     const hasCpu = s.cpu_map.state.length > 0;
     cpuCanvas.hidden = !hasCpu;
     document.getElementById('cpu-empty').hidden = hasCpu;
-    if (hasCpu) drawPool(cpuCanvas, s.cpu_map, s.requests, s.block_size, true);
+    // The swap pool beside the device pool, never taller than it.
+    if (hasCpu) drawPool(cpuCanvas, s.cpu_map, s.requests, s.block_size, true, Math.max(40, gpuCanvas.height));
     // Counted from the drawn cells themselves, not copied from the summary.
     const counts = { free: 0, cached: 0, owned: 0, shared: 0, swapped: 0 };
     for (const state of s.map.state) {
