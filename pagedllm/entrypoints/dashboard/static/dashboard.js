@@ -135,7 +135,8 @@
   function hashHue(text) {
     let h = 2166136261;
     for (let i = 0; i < text.length; i++) { h ^= text.charCodeAt(i); h = Math.imul(h, 16777619); }
-    return ((h >>> 0) % 360);
+    // Hues 50..300 only: the reds and oranges belong to shared blocks.
+    return 50 + ((h >>> 0) % 250);
   }
   function hslToRgb(h, s, l) {
     const k = (n) => (n + h / 30) % 12, a = s * Math.min(l, 1 - l);
