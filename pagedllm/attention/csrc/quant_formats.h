@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pagedllm_quant {
 
@@ -123,10 +124,15 @@ inline void k_scale_min(int j, const uint8_t* s, int* sc, int* m) {
 }
 
 // Walks values [k0, k1) of one packed row (k0, k1 on block boundaries), 16 at a time, calling
-// emit(offset from k0, the 16 float values). Inlined into its callers: decode_row stores the
+// emit(offset from k0, the 16 float values, slot): slot is a std::integral_constant 0..3 that
+// differs between the call sites of one loop body, so a caller can keep independent
+// accumulators per slot. Inlined into its callers: decode_row stores the
 // values, the few-row GEMV multiplies them straight into its accumulators. Nibbles are split
 // after widening bytes to int32 lanes (and / shift on dwords; x86 has no byte shifts), and each
 // value is one FMA of its integer (scale * q + offset).
+template <int S>
+using Slot = std::integral_constant<int, S>;
+
 template <class Emit>
 inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0, int64_t k1, Emit&& emit) {
   const int64_t bv = block_values(format), bb = block_bytes(format);
@@ -135,7 +141,10 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
     case F_I8_ROW: {
       float scale;
       std::memcpy(&scale, row + k, 4);
-      for (int64_t j = k0; j < k1; j += 16) emit(j - k0, to_float(widen_i8(row + j)) * scale);
+      for (int64_t j = k0; j < k1; j += 32) {
+        emit(j - k0, to_float(widen_i8(row + j)) * scale, Slot<0>{});
+        emit(j - k0 + 16, to_float(widen_i8(row + j + 16)) * scale, Slot<1>{});
+      }
       break;
     }
     case F_Q4_0:
@@ -144,8 +153,8 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
         const float d = half_to_float(blk), o = -8.f * d;
         const i32x16 v = widen_u8(blk + 2);
         const int64_t at = b * bv - k0;
-        emit(at, to_float(v & 0xF) * d + o);
-        emit(at + 16, to_float(v >> 4) * d + o);
+        emit(at, to_float(v & 0xF) * d + o, Slot<0>{});
+        emit(at + 16, to_float(v >> 4) * d + o, Slot<1>{});
       }
       break;
     case F_Q4_1: case F_I4_G64: case F_I4_G128:
@@ -155,8 +164,8 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
         const int64_t at = b * bv - k0, half = bv / 2;
         for (int64_t c = 0; c < half; c += 16) {
           const i32x16 v = widen_u8(blk + 4 + c);
-          emit(at + c, to_float(v & 0xF) * d + o);
-          emit(at + half + c, to_float(v >> 4) * d + o);
+          emit(at + c, to_float(v & 0xF) * d + o, Slot<0>{});
+          emit(at + half + c, to_float(v >> 4) * d + o, Slot<1>{});
         }
       }
       break;
@@ -165,8 +174,8 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
         const uint8_t* blk = row + b * bb;
         const float d = half_to_float(blk);
         const int64_t at = b * bv - k0;
-        emit(at, to_float(widen_i8(blk + 2)) * d);
-        emit(at + 16, to_float(widen_i8(blk + 18)) * d);
+        emit(at, to_float(widen_i8(blk + 2)) * d, Slot<0>{});
+        emit(at + 16, to_float(widen_i8(blk + 18)) * d, Slot<1>{});
       }
       break;
     case F_Q4_K: case F_Q5_K:
@@ -190,8 +199,8 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
               lo |= ((h >> (2 * j)) & 1) << 4;
               hi |= ((h >> (2 * j + 1)) & 1) << 4;
             }
-            emit(at + 64 * j + c, to_float(lo) * d1 + o1);
-            emit(at + 64 * j + 32 + c, to_float(hi) * d2 + o2);
+            emit(at + 64 * j + c, to_float(lo) * d1 + o1, Slot<0>{});
+            emit(at + 64 * j + 32 + c, to_float(hi) * d2 + o2, Slot<1>{});
           }
         }
       }
@@ -214,10 +223,10 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
             const i32x16 q4 = (a2 >> 4) | (((h >> 6) & 3) << 4);
             const float s1 = d * s6[c], s2 = d * s6[c + 2], s3 = d * s6[c + 4], s4 = d * s6[c + 6];
             const int64_t y = at + 128 * n + 16 * c;
-            emit(y, to_float(q1) * s1 - 32.f * s1);
-            emit(y + 32, to_float(q2) * s2 - 32.f * s2);
-            emit(y + 64, to_float(q3) * s3 - 32.f * s3);
-            emit(y + 96, to_float(q4) * s4 - 32.f * s4);
+            emit(y, to_float(q1) * s1 - 32.f * s1, Slot<0>{});
+            emit(y + 32, to_float(q2) * s2 - 32.f * s2, Slot<1>{});
+            emit(y + 64, to_float(q3) * s3 - 32.f * s3, Slot<2>{});
+            emit(y + 96, to_float(q4) * s4 - 32.f * s4, Slot<3>{});
           }
         }
       }
@@ -228,7 +237,7 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
 }
 
 inline void decode_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0, int64_t k1, float* out) {
-  visit_row(format, row, k, k0, k1, [out](int64_t at, vec16 v) { store16(out + at, v); });
+  visit_row(format, row, k, k0, k1, [out](int64_t at, vec16 v, auto) { store16(out + at, v); });
 }
 
 inline void check_weight(const torch::Tensor& qweight, int64_t format, int64_t k) {

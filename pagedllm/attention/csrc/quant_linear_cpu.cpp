@@ -68,11 +68,15 @@ void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t n_rows, int6
   const int64_t rb = row_bytes(format, k);
   at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      vec16 acc[MB] = {};
-      visit_row(format, w + n * rb, k, 0, k, [&](int64_t at, vec16 v) {
-        for (int i = 0; i < MB; ++i) acc[i] += v * load16(x + i * k + at);
+      // Each call site of the decoder feeds its own accumulator set (the slot): one chain of
+      // dependent FMAs would wait out the FMA latency every 16 values.
+      vec16 acc[4][MB] = {};
+      visit_row(format, w + n * rb, k, 0, k, [&](int64_t at, vec16 v, auto slot) {
+        for (int i = 0; i < MB; ++i) acc[decltype(slot)::value][i] += v * load16(x + i * k + at);
       });
-      for (int i = 0; i < MB; ++i) y[i * n_rows + n] = hsum(acc[i]) + (bias != nullptr ? bias[n] : 0.f);
+      for (int i = 0; i < MB; ++i) {
+        y[i * n_rows + n] = hsum((acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i])) + (bias != nullptr ? bias[n] : 0.f);
+      }
     }
   });
 }
