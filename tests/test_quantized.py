@@ -11,7 +11,6 @@ import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_models import Q4_K_M, random_kquant, write_tiny_llama_gguf
 
-import pagedllm.engine.llm_engine as llm_engine_module
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models.cpu_gemm import PackableLinear
@@ -161,22 +160,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(4, vocab, size=n).tolist() for n in (1, 5, 17, 40)]
 
 
-def _dequantized_engine(monkeypatch, path: str, tokenizer_dir: str) -> LLM:
-    """The same GGUF loaded the old way: every tensor dequantized to float32 at load time."""
-    original = llm_engine_module.load_model_config
-
-    def dequantizing(*args, **kwargs):
-        config = original(*args, **kwargs)
-        config.gguf_dequantize = True
-        return config
-
-    with monkeypatch.context() as patch:
-        patch.setattr(llm_engine_module, "load_model_config", dequantizing)
-        return LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8)
+def _dequantized_engine(path: str, tokenizer_dir: str) -> LLM:
+    """The same GGUF with every tensor dequantized to float32 at load time."""
+    return LLM(path, tokenizer=tokenizer_dir, quantization="dequantize", num_kv_blocks=64, block_size=8)
 
 
 @pytest.mark.parametrize("types", GGUF_TYPES + ["Q4_K_M"])
-def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir, monkeypatch):
+def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir):
     path = _gguf(gguf_dir, tokenizer_dir, types, Q4_K_M if types == "Q4_K_M" else types, tied=types == "Q4_1")
     packed = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8)
     model = packed.llm_engine.worker.runner.model
@@ -186,7 +176,8 @@ def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir, m
     # Resident weights are the file's blocks: no float copy of any linear or embedding.
     assert not any(isinstance(m, PackableLinear) and isinstance(m.weight, torch.Tensor) for m in model.modules())
     assert packed_bytes <= os.path.getsize(path)
-    reference = _dequantized_engine(monkeypatch, path, tokenizer_dir)
+    reference = _dequantized_engine(path, tokenizer_dir)
+    assert packed_weight_bytes(reference.llm_engine.worker.runner.model)[0] == 0
     prompts = _prompts(_vocab(tokenizer_dir))
     assert _greedy(packed, prompts) == _greedy(reference, prompts)
     assert_no_leaks(packed)
@@ -210,6 +201,7 @@ def test_gguf_refuses_load_time_quantization(gguf_dir, tokenizer_dir):
         load_model_config(path, quantization="int8")
     with pytest.raises(ValueError, match="quantization must be"):
         load_model_config(path, quantization="int3")
+
 
 
 def test_tensor_parallel_shards_of_packed_weights(gguf_dir, tokenizer_dir):
@@ -253,6 +245,8 @@ def _dequantized_reference(folder: str, method: str, group_size: int, monkeypatc
 @pytest.mark.parametrize("quantization", ["int8", "int4", "int4-g32", "int4-g64"])
 def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quantization, monkeypatch):
     folder = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        load_model_config(folder, quantization="dequantize")
     llm = LLM(folder, dtype="float32", quantization=quantization, num_kv_blocks=64, block_size=8)
     model = llm.llm_engine.worker.runner.model
     packed_bytes, found = packed_weight_bytes(model)

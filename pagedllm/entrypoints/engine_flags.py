@@ -17,9 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--tokenizer", default=None, help="Tokenizer folder if not the model's own.")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--quantization", "-q", default=None,
-                       choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf"],
+                       choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf", "dequantize"],
                        help="Weight-only quantization of a float checkpoint at load time (int4: groups of 128 "
-                            "unless -gNN). GGUF files keep their own packed types without it.")
+                            "unless -gNN). GGUF files keep their own packed types without it; 'dequantize' "
+                            "loads a GGUF as float32 instead.")
     group.add_argument("--block-size", type=int, default=16, help="Token slots per KV block.")
     group.add_argument("--kv-cache-memory", default=None,
                        help="Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of free memory).")

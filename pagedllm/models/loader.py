@@ -140,17 +140,19 @@ def _derived_max_model_len(hf_config: Any) -> int:
 
 
 def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> tuple[str | None, int]:
-    """(method, int4 group size) of a ``quantization`` setting: None, "gguf", "int8", "int4" or "int4-gNN"."""
+    """(method, int4 group size) of a ``quantization`` setting: None, "gguf", "dequantize", "int8",
+    "int4" or "int4-gNN". "dequantize" (GGUF only) comes back as the method, for the caller."""
     from pagedllm.quantization.quantize import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 
-    if quantization in (None, "none", "gguf"):
-        if quantization == "gguf" and not is_gguf:
-            raise ValueError(f"quantization='gguf' needs a .gguf model; {path!r} is a Hugging Face folder.")
-        return None, 128
+    if quantization in (None, "none", "gguf", "dequantize"):
+        if quantization in ("gguf", "dequantize") and not is_gguf:
+            raise ValueError(f"quantization={quantization!r} needs a .gguf model; {path!r} is a Hugging Face folder.")
+        return ("dequantize" if quantization == "dequantize" else None), 128
     method, _, group = str(quantization).partition("-g")
     if method not in QUANTIZATION_METHODS or (group and (method != "int4" or not group.isdigit())):
         raise ValueError(
-            f"quantization must be None, 'int8', 'int4' or 'int4-g32' / 'int4-g64' / 'int4-g128', got {quantization!r}."
+            "quantization must be None, 'int8', 'int4', 'int4-g32' / 'int4-g64' / 'int4-g128', or for GGUF files "
+            f"'gguf' / 'dequantize', got {quantization!r}."
         )
     group_size = int(group) if group else 128
     if group_size not in INT4_GROUP_SIZES:
@@ -200,8 +202,9 @@ def load_model_config(
         architecture=architecture,
         tokenizer_path=path,
         gguf_file=gguf_file,
-        quantization=method,
+        quantization=None if method == "dequantize" else method,
         quantization_group_size=group_size,
+        gguf_dequantize=method == "dequantize",
     )
 
 
