@@ -286,27 +286,43 @@ def iter_gguf_weights(gguf_file: GGUFFile, packed: bool = True) -> Iterator[tupl
     """Yield ``(hf_name, tensor)`` for every tensor, with q/k rows un-permuted.
 
     With ``packed``, 2-D tensors of the types in ``GGUF_PACKED_TYPES`` come as PackedTensor (the
-    file's blocks, read once from the mapping: no float copy); F32 / F16 / BF16 tensors come as
+    file's blocks, read once: no float copy); F32 / F16 / BF16 tensors come as
     float32; other quantized types are dequantized with a warning naming the tensor and type.
     Without ``packed`` every tensor is dequantized to float32 (the reference the packed path is
     tested against).
     """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
     check_gguf_supported(gguf_file)
     meta = gguf_file.metadata
     arch = gguf_file.architecture
     n_head = int(_arch_key(meta, arch, "attention.head_count"))
     n_kv = int(_arch_key(meta, arch, "attention.head_count_kv", n_head))
     data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
+    with open(gguf_file.path, "rb") as file:
+        yield from _gguf_tensors(gguf_file, data, file, packed, n_head, n_kv)
+
+
+def _read_bytes(file: Any, offset: int, nbytes: int) -> np.ndarray:
+    """A tensor's bytes read into fresh memory. Unlike slicing the mapping, this leaves no file pages
+    in the process's resident set (which would count the model twice while it loads)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    file.seek(offset)
+    if file.readinto(memoryview(out)) != nbytes:
+        raise ValueError(f"GGUF file {file.name!r} ended inside a tensor at byte {offset}.")
+    return out
+
+
+def _gguf_tensors(gguf_file: GGUFFile, data: np.ndarray, file: Any, packed: bool, n_head: int,
+                  n_kv: int) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
     for info in gguf_file.tensors.values():
         hf_name = gguf_name_to_hf(info.name)
         qtype = GGMLQuantizationType(info.ggml_type)
         raw = data[info.offset:info.offset + info.nbytes]
         fmt = GGUF_PACKED_TYPES.get(qtype.name)
         if packed and fmt is not None and len(info.shape) == 2:
-            rows = np.array(raw).reshape(info.shape[0], fmt.row_bytes(info.shape[1]))
+            rows = _read_bytes(file, info.offset, info.nbytes).reshape(info.shape[0], fmt.row_bytes(info.shape[1]))
             if ".attn_q." in info.name:
                 rows = _unpermute_rope_rows(rows, n_head)
             elif ".attn_k." in info.name:
