@@ -68,6 +68,12 @@ void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t n_rows, int6
   const int64_t rb = row_bytes(format, k);
   at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
+      // The rows stream from memory once per step: ask for the row after next while this one is
+      // decoded, so the loads overlap the arithmetic instead of stalling it.
+      if (n + 2 < end) {
+        const uint8_t* ahead = w + (n + 2) * rb;
+        for (int64_t line = 0; line < rb; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+      }
       // Each call site of the decoder feeds its own accumulator set (the slot): one chain of
       // dependent FMAs would wait out the FMA latency every 16 values.
       vec16 acc[4][MB] = {};
