@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.quantization.packed import PackedTensor, QuantizedWeight, assign_to
+
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """HF ``hidden_act`` / ``activation_function`` names -> a torch function."""
@@ -119,8 +121,6 @@ def copy_checked(what: str, target: Any, tensor: Any) -> None:
     Packed weights (pagedllm.quantization) go either way: a packed target stores the tensor as
     packed rows; a packed tensor loaded into a float parameter is dequantized first.
     """
-    from pagedllm.quantization.packed import PackedTensor, assign_to
-
     if assign_to(what, target, tensor):
         return
     if isinstance(tensor, PackedTensor):
@@ -140,9 +140,8 @@ class WeightLoader:
         self.modules = dict(model.named_modules())
         # Packed weight holders (pagedllm.quantization) take the place of their layers' weight parameters.
         for module_name, module in self.modules.items():
-            weight = getattr(module, "weight", None)
-            if weight is not None and not isinstance(weight, torch.Tensor) and hasattr(weight, "segments"):
-                self.params[f"{module_name}.weight"] = weight
+            if isinstance(getattr(module, "weight", None), QuantizedWeight):
+                self.params[f"{module_name}.weight"] = module.weight
         # e.g. {"q_proj": ("qkv_proj", "q")}: ".q_proj." in a name goes to shard "q" of ".qkv_proj."
         self.stacked = stacked or {}
         self.loaded: set[str] = set()

@@ -171,7 +171,6 @@ class VocabParallelEmbedding(nn.Embedding, _TPMixin):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(out, self.tp_state)
 
-
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, torch.Tensor):
             return F.embedding(ids, self.weight)

@@ -29,10 +29,6 @@ class Format:
             return in_features + 4
         return in_features // self.block_values * self.block_bytes
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.block_bytes / self.block_values
-
 
 Q4_0 = Format("Q4_0", 2, 32, 18)
 Q4_1 = Format("Q4_1", 3, 32, 20)
@@ -47,7 +43,6 @@ I4_G128 = Format("I4_G128", 1128, 128, 68)
 # int8 per output channel: the row's K int8 values, then its float32 scale (block_bytes unused).
 I8_ROW = Format("I8_ROW", 1008, 16, 16)
 
-FORMATS = {f.id: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, I4_G64, I4_G128, I8_ROW)}
 GGUF_PACKED_TYPES = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.quantization.formats import FORMATS, I8_ROW, Format, dequantize
+from pagedllm.quantization.formats import I8_ROW, Format, dequantize
 from pagedllm.quantization.kernels import packed_embedding, packed_linear
 
 
@@ -225,10 +225,6 @@ def _segment_rows(weight: PackedTensor | torch.Tensor, ids: torch.Tensor) -> tor
     return packed_embedding(ids, weight.data, weight.fmt, weight.in_features)
 
 
-def is_packed(value: object) -> bool:
-    return isinstance(value, (PackedTensor, QuantizedWeight, _RowView))
-
-
 def assign_to(what: str, target: object, tensor: PackedTensor | torch.Tensor) -> bool:
     """Load ``tensor`` into a packed target (True), or say the target is a plain tensor (False)."""
     if isinstance(target, _RowView):
@@ -238,6 +234,3 @@ def assign_to(what: str, target: object, tensor: PackedTensor | torch.Tensor) ->
         target.assign(what, 0, target.shape[0], tensor)
         return True
     return False
-
-
-__all__ = ["FORMATS", "PackedTensor", "QuantizedWeight", "assign_to", "is_packed"]
