@@ -113,14 +113,25 @@ inline i32x16 widen_i8(const uint8_t* p) {
 
 inline vec16 to_float(i32x16 v) { return __builtin_convertvector(v, vec16); }
 
-inline void k_scale_min(int j, const uint8_t* s, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float vec8 __attribute__((vector_size(32)));
+
+// The 8 sub-block scales (d * sc) and offsets (-dmin * m) of a Q4_K / Q5_K block, unpacked from
+// their 12 bytes s of 6-bit fields in a few vector operations. ggml's rule: for j < 4,
+// sc = s[j] & 63, m = s[j + 4] & 63; else sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4 and
+// m = (s[j + 4] >> 4) | (s[j] >> 6) << 4.
+inline void k_scales_mins(const uint8_t* blk, float* scale, float* offset) {
+  const i32x16 s = widen_u8(blk + 4);  // bytes 0..11 are the fields; 12..15 (the next field) unused
+  const i32x8 p = __builtin_shufflevector(s, s, 0, 1, 2, 3, 0, 1, 2, 3);
+  const i32x8 q = __builtin_shufflevector(s, s, 4, 5, 6, 7, 4, 5, 6, 7);
+  const i32x8 r = __builtin_shufflevector(s, s, 8, 9, 10, 11, 8, 9, 10, 11);
+  const i32x8 first = {-1, -1, -1, -1, 0, 0, 0, 0};  // j < 4
+  const i32x8 sc = (first & (p & 63)) | (~first & ((r & 0xF) | ((p >> 6) << 4)));
+  const i32x8 m = (first & (q & 63)) | (~first & ((r >> 4) | ((q >> 6) << 4)));
+  const vec8 scales = __builtin_convertvector(sc, vec8) * half_to_float(blk);
+  const vec8 offsets = __builtin_convertvector(m, vec8) * -half_to_float(blk + 2);
+  std::memcpy(scale, &scales, 32);
+  std::memcpy(offset, &offsets, 32);
 }
 
 // Walks values [k0, k1) of one packed row (k0, k1 on block boundaries), 16 at a time, calling
@@ -181,16 +192,12 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
     case F_Q4_K: case F_Q5_K:
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* blk = row + b * bb;
-        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-        const uint8_t* scales = blk + 4;
+        float scale[8], offset[8];
+        k_scales_mins(blk, scale, offset);
         const uint8_t* qh = blk + 16;  // Q5_K only
         const uint8_t* qs = blk + (format == F_Q5_K ? 48 : 16);
         const int64_t at = b * bv - k0;
         for (int j = 0; j < 4; ++j) {
-          int sc1, m1, sc2, m2;
-          k_scale_min(2 * j, scales, &sc1, &m1);
-          k_scale_min(2 * j + 1, scales, &sc2, &m2);
-          const float d1 = d * sc1, o1 = -dmin * m1, d2 = d * sc2, o2 = -dmin * m2;
           for (int c = 0; c < 32; c += 16) {
             const i32x16 q = widen_u8(qs + 32 * j + c);
             i32x16 lo = q & 0xF, hi = q >> 4;
@@ -199,8 +206,8 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
               lo |= ((h >> (2 * j)) & 1) << 4;
               hi |= ((h >> (2 * j + 1)) & 1) << 4;
             }
-            emit(at + 64 * j + c, to_float(lo) * d1 + o1, Slot<0>{});
-            emit(at + 64 * j + 32 + c, to_float(hi) * d2 + o2, Slot<1>{});
+            emit(at + 64 * j + c, to_float(lo) * scale[2 * j] + offset[2 * j], Slot<0>{});
+            emit(at + 64 * j + 32 + c, to_float(hi) * scale[2 * j + 1] + offset[2 * j + 1], Slot<1>{});
           }
         }
       }
