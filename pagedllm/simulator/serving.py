@@ -112,6 +112,18 @@ class _Request:
         self.finish_time: float | None = None
 
 
+def fork_parallel_samples(scheduler: Scheduler, group: SequenceGroup, next_seq_id: int) -> int:
+    """After the prompt step, fork the group's first sequence up to best_of samples sharing its
+    blocks (as the engine does); returns the next free sequence id."""
+    parent = group.seqs[0]
+    while len(group.seqs) < group.sampling_params.best_of:
+        child = parent.fork(next_seq_id)
+        next_seq_id += 1
+        group.seqs.append(child)
+        scheduler.fork_seq(parent, child)
+    return next_seq_id
+
+
 def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimConfig) -> SimResult:
     """Serve ``requests`` (sorted by arrival) with ``config.policy`` under ``cost_model``'s clock."""
     if config.policy not in POLICIES:
@@ -183,14 +195,8 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
         for group in out.scheduled_seq_groups:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.num_computed_tokens = seq.get_len()
-            best_of = group.sampling_params.best_of
-            if out.is_prefill and len(group.seqs) < best_of:
-                parent = group.seqs[0]
-                for _ in range(best_of - len(group.seqs)):
-                    child = parent.fork(next_seq_id)
-                    next_seq_id += 1
-                    group.seqs.append(child)
-                    scheduler.fork_seq(parent, child)
+            if out.is_prefill:
+                next_seq_id = fork_parallel_samples(scheduler, group, next_seq_id)
             target = group.sampling_params.max_tokens
             for index, seq in enumerate(group.get_seqs(SequenceStatus.RUNNING)):
                 seq.append_token(index, 0.0)

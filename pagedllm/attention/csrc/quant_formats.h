@@ -78,38 +78,28 @@ inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-// 16 bytes -> 16 int32 lanes (vpmovzxbd / vpmovsxbd with a memory operand).
-inline i32x16 widen_u8(const uint8_t* p) {
+// 16 bytes -> 16 int32 lanes, zero- or sign-extended (vpmovzxbd / vpmovsxbd with a memory operand).
+template <bool Signed>
+inline i32x16 widen(const uint8_t* p) {
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i v = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 #elif defined(__AVX2__)
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  struct { __m256i a, b; } v{lo, hi};
+  const __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  struct { __m256i a, b; } v{Signed ? _mm256_cvtepi8_epi32(b0) : _mm256_cvtepu8_epi32(b0),
+                             Signed ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1)};
 #else
   i32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  for (int i = 0; i < 16; ++i) v[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
 #endif
   i32x16 out;
   std::memcpy(&out, &v, 64);
   return out;
 }
 
-inline i32x16 widen_i8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  struct { __m256i a, b; } v{lo, hi};
-#else
-  i32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<int8_t>(p[i]);
-#endif
-  i32x16 out;
-  std::memcpy(&out, &v, 64);
-  return out;
-}
+inline i32x16 widen_u8(const uint8_t* p) { return widen<false>(p); }
+inline i32x16 widen_i8(const uint8_t* p) { return widen<true>(p); }
 
 inline vec16 to_float(i32x16 v) { return __builtin_convertvector(v, vec16); }
 

@@ -25,7 +25,7 @@ from pagedllm.entrypoints.dashboard.hub import DashboardHub
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.simulator import CostModel, SimConfig, TraceRequest
-from pagedllm.simulator.serving import POLICIES, step_features
+from pagedllm.simulator.serving import POLICIES, fork_parallel_samples, step_features
 
 TraceFactory = Callable[[int], list[TraceRequest]]  # round number -> requests, arrivals from 0
 
@@ -117,14 +117,8 @@ class SteppedSimulation:
                     self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
                 seq.num_computed_tokens = seq.get_len()
                 block_manager.mark_computed(seq)
-            best_of = group.sampling_params.best_of
-            if out.is_prefill and len(group.seqs) < best_of:
-                parent = group.seqs[0]
-                for _ in range(best_of - len(group.seqs)):
-                    child = parent.fork(self.next_seq_id)
-                    self.next_seq_id += 1
-                    group.seqs.append(child)
-                    self.scheduler.fork_seq(parent, child)
+            if out.is_prefill:
+                self.next_seq_id = fork_parallel_samples(self.scheduler, group, self.next_seq_id)
             target = group.sampling_params.max_tokens
             running = group.get_seqs(SequenceStatus.RUNNING)
             for index, seq in enumerate(running):
