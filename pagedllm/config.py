@@ -84,6 +84,9 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     gguf_dequantize: bool = False
+    # Packed weights with int8 activations (integer dot products): None = wherever the CPU kernels
+    # can, True = required, False = float activations (exact dequantized-model results).
+    int8_activations: bool | None = None
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +111,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
+    int8_activations: bool | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None

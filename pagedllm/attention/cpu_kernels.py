@@ -20,7 +20,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("paged_attention_cpu.cpp", "greedy_cpu.cpp", "quant_linear_cpu.cpp", "bindings.cpp")
+    for name in (
+        "paged_attention_cpu.cpp",
+        "greedy_cpu.cpp",
+        "quant_linear_cpu.cpp",
+        "quant_int8_cpu.cpp",
+        "bindings.cpp",
+    )
 ]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", "quant_formats.h")]
 _lock = threading.Lock()

@@ -117,6 +117,7 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         device = resolve_device(args.device)
         model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.quantization)
+        model_config.int8_activations = args.int8_activations
         if args.tokenizer:
             model_config.tokenizer_path = args.tokenizer
         tokenizer = load_tokenizer(model_config)

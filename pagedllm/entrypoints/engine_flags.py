@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                        help="Weight-only quantization of a float checkpoint at load time (int4: groups of 128 "
                             "unless -gNN). GGUF files keep their own packed types without it; 'dequantize' "
                             "loads a GGUF as float32 instead.")
+    group.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                       help="Quantized weights: multiply with activations quantized to int8 (integer dot "
+                            "products; default: wherever the CPU has them). --no-int8-activations keeps "
+                            "float activations (exactly the dequantized model's results).")
     group.add_argument("--block-size", type=int, default=16, help="Token slots per KV block.")
     group.add_argument("--kv-cache-memory", default=None,
                        help="Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of free memory).")
@@ -58,6 +62,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         quantization=args.quantization,
+        int8_activations=args.int8_activations,
         block_size=args.block_size,
         kv_cache_memory=parse_bytes(args.kv_cache_memory),
         num_kv_blocks=args.num_kv_blocks,

@@ -326,8 +326,11 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
     model.requires_grad_(False)
     if packed:
         from pagedllm.quantization.apply import settle_packed_weights
+        from pagedllm.quantization.int8_tiles import resolve_int8_activations
 
-        settle_packed_weights(model, device)
+        settle_packed_weights(model, device, resolve_int8_activations(model_config.int8_activations, device))
+    elif model_config.int8_activations:
+        raise ValueError("int8_activations=True needs quantized weights: a GGUF file, or quantization='int8' / 'int4'.")
     pack_linears(model, device, model_config.dtype)
     return model.eval()
 

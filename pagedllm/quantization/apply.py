@@ -38,8 +38,9 @@ def use_packed_weights(
     return count
 
 
-def settle_packed_weights(model: nn.Module, device: torch.device) -> None:
-    """Check every holder is complete; float-only holders become parameters again; move to device."""
+def settle_packed_weights(model: nn.Module, device: torch.device, int8_activations: bool = False) -> None:
+    """Check every holder is complete; float-only holders become parameters again; move to device;
+    with ``int8_activations``, re-tile packed rows for the int8 kernels (int8_tiles.py)."""
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, QuantizedWeight):
@@ -51,6 +52,8 @@ def settle_packed_weights(model: nn.Module, device: torch.device) -> None:
                                          requires_grad=False)
         else:
             weight.to(device)
+            if int8_activations:
+                weight.tile_int8()
 
 
 def packed_weight_bytes(model: nn.Module) -> tuple[int, dict[str, int]]:

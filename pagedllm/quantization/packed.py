@@ -9,7 +9,8 @@
   parameter); fused layers (q/k/v, gate/up) may receive parts of different formats (a Q4_K_M
   file stores attn_v as Q6_K next to Q4_K q and k), so it keeps segments of rows, each in one
   format, merged when adjacent ones agree. Float tensors (F32 / F16 / BF16 GGUF tensors) stay
-  float segments.
+  float segments. With int8 activations, packed segments are re-tiled once loaded
+  (``int8_tiles.Int8TiledTensor``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.quantization.formats import I8_ROW, Format, dequantize
+from pagedllm.quantization.int8_tiles import Int8TiledTensor, tile_for_int8
 from pagedllm.quantization.kernels import packed_embedding, packed_linear
 
 
@@ -74,7 +76,7 @@ class PackedTensor:
 class _Segment:
     offset: int
     rows: int
-    weight: PackedTensor | torch.Tensor  # packed rows, or float rows [rows, in_features]
+    weight: PackedTensor | Int8TiledTensor | torch.Tensor  # packed rows, tiled rows, or float rows
 
 
 class QuantizedWeight:
@@ -144,30 +146,40 @@ class QuantizedWeight:
                 merged.append(_Segment(seg.offset, seg.rows, seg.weight))
         self.segments = merged
 
+    def tile_int8(self) -> None:
+        """Re-tile packed segments for int8 activations (those this CPU can tile); the packed rows go."""
+        for seg in self.segments:
+            if isinstance(seg.weight, PackedTensor):
+                tiled = tile_for_int8(seg.weight.data, seg.weight.fmt, seg.weight.in_features)
+                if tiled is not None:
+                    seg.weight = tiled
+
     @property
     def is_float(self) -> bool:
         return all(isinstance(s.weight, torch.Tensor) for s in self.segments)
 
     def float_weight(self) -> torch.Tensor:
         """The whole weight as float32 (tests, and layers that cannot use packed rows)."""
-        parts = [s.weight.dequantize() if isinstance(s.weight, PackedTensor) else s.weight.float()
+        parts = [s.weight.float() if isinstance(s.weight, torch.Tensor) else s.weight.dequantize()
                  for s in self.segments]
         return torch.cat(parts)
 
     @property
     def nbytes(self) -> int:
-        return sum(s.weight.nbytes if isinstance(s.weight, PackedTensor) else s.weight.numel() * s.weight.element_size()
+        return sum(s.weight.numel() * s.weight.element_size() if isinstance(s.weight, torch.Tensor) else s.weight.nbytes
                    for s in self.segments)
 
     @property
     def formats(self) -> list[str]:
-        return [s.weight.fmt.name if isinstance(s.weight, PackedTensor) else str(s.weight.dtype).removeprefix("torch.")
-                for s in self.segments]
+        return [_kind_name(s.weight) for s in self.segments]
 
     def to(self, device: torch.device) -> QuantizedWeight:
         for seg in self.segments:
             if isinstance(seg.weight, PackedTensor):
                 seg.weight = PackedTensor(seg.weight.data.to(device), seg.weight.fmt, seg.weight.in_features)
+            elif isinstance(seg.weight, Int8TiledTensor):
+                if device.type != "cpu":
+                    raise ValueError("int8-tiled weights run on the CPU kernels only")
             else:
                 seg.weight = seg.weight.to(device)
         return self
@@ -213,15 +225,26 @@ def _same_kind(a: PackedTensor | torch.Tensor, b: PackedTensor | torch.Tensor) -
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
-def _segment_linear(x: torch.Tensor, weight: PackedTensor | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _kind_name(weight: PackedTensor | Int8TiledTensor | torch.Tensor) -> str:
+    if isinstance(weight, torch.Tensor):
+        return str(weight.dtype).removeprefix("torch.")
+    return weight.fmt.name + ("/int8-tiled" if isinstance(weight, Int8TiledTensor) else "")
+
+
+def _segment_linear(x: torch.Tensor, weight: PackedTensor | Int8TiledTensor | torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight.to(x.dtype), bias)
+    if isinstance(weight, Int8TiledTensor):
+        return weight.linear(x, bias)
     return packed_linear(x, weight.data, weight.fmt, weight.in_features, bias)
 
 
-def _segment_rows(weight: PackedTensor | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _segment_rows(weight: PackedTensor | Int8TiledTensor | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.embedding(ids, weight)
+    if isinstance(weight, Int8TiledTensor):
+        return weight.take_rows(ids)
     return packed_embedding(ids, weight.data, weight.fmt, weight.in_features)
 
 

@@ -9,10 +9,21 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits);
 torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, c10::optional<torch::Tensor> rows);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, int64_t format, int64_t k,
                            c10::optional<torch::Tensor> bias, int64_t small_m);
+std::string int8_dot_isa();
+bool int8_tiling_supported(int64_t format);
+torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k);
+torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, torch::Tensor rows);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
+                          c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32)");
   m.def("dequantize_rows", &dequantize_rows, "Packed weight rows (all, or the given ones) as float32 (CPU)");
   m.def("quant_linear", &quant_linear, "x @ W^T + bias over a packed weight, activations float32 (CPU)");
+  m.def("int8_dot_isa", &int8_dot_isa, "The integer dot product the int8 kernels were built with");
+  m.def("int8_tiling_supported", &int8_tiling_supported, "Whether a packed format can be int8-tiled here");
+  m.def("int8_tile_weight", &int8_tile_weight, "A packed weight re-tiled for int8 dot products (CPU)");
+  m.def("int8_tiled_rows", &int8_tiled_rows, "Rows of an int8-tiled weight as float32 (CPU)");
+  m.def("int8_linear", &int8_linear, "int8(x) @ W^T + bias over an int8-tiled weight (CPU)");
 }

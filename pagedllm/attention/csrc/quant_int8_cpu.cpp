@@ -1,0 +1,548 @@
+// Linear layers with int8 activations over weights re-tiled for integer dot products.
+//
+// The scheme llama.cpp uses for quantized weights, laid out for a batching engine: activations are
+// quantized to int8 per block of 32 inputs (one float scale each, round to nearest), weights keep
+// their format's integer quants (4, 6 or 8 bits) and per-block scales, and every product of 4
+// weight quants with 4 activation quants is one lane of an integer dot-product instruction
+// (AVX-512 VNNI vpdpbusd; AVX-VNNI; AVX2 pmaddubsw + pmaddwd; a portable loop elsewhere).
+//
+// Tiled layout. A weight [N, K] is cut into panels of 16 output rows (the last one padded with
+// zero rows). Each panel is one contiguous run of bytes:
+//   quants:  K/8 chunks of 64 bytes for 4-bit formats: byte 4r + j holds, for row r, input 8c + j
+//            in its low nibble and input 8c + 4 + j in its high nibble (j < 4); so one 64-byte load
+//            gives two [16 rows x 4 inputs] operands after an and / a shift.
+//            6-bit (Q6_K): per 16 inputs, two such nibble chunks then a chunk whose byte 4r + j holds
+//            the high 2 bits of the 4 [16 x 4] operands (bits 2s, 2s + 1 for operand s).
+//            8-bit: one chunk per 4 inputs, a byte per quant.
+//   scales:  per block of `flush` inputs (32; 16 for Q6_K), 16 fp16 scales S (one per row);
+//   mins:    per block, 16 fp16 offsets O when the format has them (Q4_1, Q4_K, Q5_K, int4 groups);
+//            otherwise O = c * S with the format's constant c (Q4_0: -8, Q6_K: -32, 8-bit: -128).
+// A weight is S * q + O with q the unsigned quant, so a block's contribution to y[m, n] is
+//   dx * S * sum(q * xq) + O * dx * sum(xq)
+// with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
+// Scales are stored as fp16: exact for the legacy formats (their scales are fp16), and within
+// fp16 rounding of d * sc for the K-quants.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant_formats.h"
+
+namespace {
+
+using namespace pagedllm_quant;
+
+constexpr int kPanel = 16;       // output rows per panel (the lanes of one int32 vector)
+constexpr int kActBlock = 32;    // activation values per int8 scale
+
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+
+struct Tiling {
+  int bits;        // 4, 6 or 8
+  int flush;       // inputs per weight scale block
+  bool has_mins;   // offsets stored (else O = min_factor * S)
+  float min_factor;
+};
+
+Tiling tiling_of(int64_t format) {
+  switch (format) {
+    case F_Q4_0: return {4, 32, false, -8.f};
+    case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: return {4, 32, true, 0.f};
+    case F_Q5_K: return {8, 32, true, 0.f};
+    case F_Q6_K: return {6, 16, false, -32.f};
+    case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f};
+  }
+  TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
+}
+
+int64_t quant_bytes(const Tiling& t, int64_t k) { return kPanel * k * t.bits / 8; }
+int64_t panel_bytes(const Tiling& t, int64_t k) {
+  return quant_bytes(t, k) + (k / t.flush) * kPanel * 2 * (t.has_mins ? 2 : 1);
+}
+
+// ---- Reading one source row as unsigned integer quants and per-block float scale / offset ----
+
+// q[K] unsigned quants; scale[K/flush], offset[K/flush] such that value = scale * q + offset.
+void row_quants(int64_t format, const uint8_t* row, int64_t k, const Tiling& t, uint8_t* q, float* scale,
+                float* offset) {
+  const int64_t bv = block_values(format), bb = block_bytes(format);
+  switch (format) {
+    case F_Q4_0:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk);
+        for (int i = 0; i < 16; ++i) {
+          q[b * 32 + i] = blk[2 + i] & 0xF;
+          q[b * 32 + 16 + i] = blk[2 + i] >> 4;
+        }
+        scale[b] = d;
+        offset[b] = -8.f * d;
+      }
+      break;
+    case F_Q4_1: case F_I4_G64: case F_I4_G128:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk), m = half_to_float(blk + 2);
+        const int64_t half = bv / 2;
+        for (int64_t i = 0; i < half; ++i) {
+          q[b * bv + i] = blk[4 + i] & 0xF;
+          q[b * bv + half + i] = blk[4 + i] >> 4;
+        }
+        for (int64_t f = 0; f < bv / t.flush; ++f) {
+          scale[b * bv / t.flush + f] = d;
+          offset[b * bv / t.flush + f] = m;
+        }
+      }
+      break;
+    case F_Q8_0:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk);
+        for (int i = 0; i < 32; ++i) q[b * 32 + i] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + i]) + 128);
+        scale[b] = d;
+        offset[b] = -128.f * d;
+      }
+      break;
+    case F_I8_ROW: {
+      float s;
+      std::memcpy(&s, row + k, 4);
+      for (int64_t i = 0; i < k; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(row[i]) + 128);
+      for (int64_t f = 0; f < k / t.flush; ++f) {
+        scale[f] = s;
+        offset[f] = -128.f * s;
+      }
+      break;
+    }
+    case F_Q4_K: case F_Q5_K:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        k_scales_mins(blk, scale + b * 8, offset + b * 8);
+        const uint8_t* qh = blk + 16;
+        const uint8_t* qs = blk + (format == F_Q5_K ? 48 : 16);
+        uint8_t* out = q + b * 256;
+        for (int j = 0; j < 4; ++j) {
+          for (int l = 0; l < 32; ++l) {
+            uint8_t lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+            if (format == F_Q5_K) {
+              lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+              hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            }
+            out[64 * j + l] = lo;
+            out[64 * j + 32 + l] = hi;
+          }
+        }
+      }
+      break;
+    case F_Q6_K:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = half_to_float(blk + 208);
+        for (int s = 0; s < 16; ++s) {
+          scale[b * 16 + s] = d * static_cast<int8_t>(blk[192 + s]);
+          offset[b * 16 + s] = -32.f * scale[b * 16 + s];
+        }
+        uint8_t* out = q + b * 256;
+        for (int n = 0; n < 2; ++n) {
+          const uint8_t* ql = blk + 64 * n;
+          const uint8_t* qh = blk + 128 + 32 * n;
+          for (int l = 0; l < 32; ++l) {
+            out[128 * n + l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            out[128 * n + l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            out[128 * n + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            out[128 * n + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+          }
+        }
+      }
+      break;
+    default:
+      TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
+  }
+}
+
+inline uint16_t to_half_bits(float v) {
+#if defined(__F16C__)
+  return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+  return c10::Half(v).x;
+#endif
+}
+
+inline float from_half_bits(uint16_t bits) {
+  uint8_t raw[2];
+  std::memcpy(raw, &bits, 2);
+  return half_to_float(raw);
+}
+
+// Byte offset, inside a panel's quants, of the byte holding (row r, input i); and the bit shift.
+inline void quant_position(const Tiling& t, int r, int64_t i, int64_t* byte, int* shift, int64_t* high_byte,
+                           int* high_shift) {
+  const int j = static_cast<int>(i % 4);
+  if (t.bits == 8) {
+    *byte = (i / 4) * 64 + 4 * r + j;
+    *shift = 0;
+    return;
+  }
+  if (t.bits == 4) {
+    *byte = (i / 8) * 64 + 4 * r + j;
+    *shift = (i % 8) >= 4 ? 4 : 0;
+    return;
+  }
+  // 6-bit: per 16 inputs, nibble chunks for inputs 0..7 and 8..15, then the high-bit chunk.
+  const int64_t group = i / 16, within = i % 16;
+  *byte = group * 192 + (within / 8) * 64 + 4 * r + j;
+  *shift = (within % 8) >= 4 ? 4 : 0;
+  *high_byte = group * 192 + 128 + 4 * r + j;
+  *high_shift = 2 * static_cast<int>(within / 4);
+}
+
+void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, int64_t n_rows, int64_t p, int64_t k,
+                uint8_t* out) {
+  std::memset(out, 0, panel_bytes(t, k));
+  std::vector<uint8_t> q(k);
+  std::vector<float> scale(k / t.flush), offset(k / t.flush);
+  uint16_t* scales = reinterpret_cast<uint16_t*>(out + quant_bytes(t, k));
+  uint16_t* mins = scales + (k / t.flush) * kPanel;
+  for (int r = 0; r < kPanel; ++r) {
+    const int64_t n = p * kPanel + r;
+    if (n >= n_rows) break;  // padding rows stay zero: zero scales, zero quants
+    row_quants(format, w + n * rb, k, t, q.data(), scale.data(), offset.data());
+    for (int64_t i = 0; i < k; ++i) {
+      int64_t byte = 0, high_byte = 0;
+      int shift = 0, high_shift = 0;
+      quant_position(t, r, i, &byte, &shift, &high_byte, &high_shift);
+      if (t.bits == 8) {
+        out[byte] = q[i];
+      } else {
+        out[byte] |= (q[i] & 0xF) << shift;
+        if (t.bits == 6) out[high_byte] |= ((q[i] >> 4) & 3) << high_shift;
+      }
+    }
+    for (int64_t f = 0; f < k / t.flush; ++f) {
+      scales[f * kPanel + r] = to_half_bits(scale[f]);
+      if (t.has_mins) mins[f * kPanel + r] = to_half_bits(offset[f]);
+    }
+  }
+}
+
+// ---- The integer dot-product step: acc[lane] += sum_j w[4 lane + j] * x[j] ----
+
+typedef int32_t i32v __attribute__((vector_size(64)));
+
+inline u8x64 load_u8x64(const uint8_t* p) {
+  u8x64 v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+
+// w: 64 unsigned quants ([16 rows x 4 inputs]); x4: 4 signed activation quants as one int32.
+inline i32v dot4(i32v acc, u8x64 w, int32_t x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (i32v)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#elif defined(__AVX2__)
+  __m256i a[2], b[2];
+  std::memcpy(a, &acc, 64);
+  std::memcpy(b, &w, 64);
+  const __m256i xv = _mm256_set1_epi32(x4);
+  for (int h = 0; h < 2; ++h) {
+#if defined(__AVXVNNI__)
+    a[h] = _mm256_dpbusd_avx_epi32(a[h], b[h], xv);
+#else
+    // pmaddubsw sums pairs into int16 with saturation: exact while quants are < 64 (6 bits), which
+    // is why 8-bit formats are not tiled on CPUs without VNNI.
+    const __m256i pairs = _mm256_maddubs_epi16(b[h], xv);
+    a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+  }
+  std::memcpy(&acc, a, 64);
+  return acc;
+#else
+  int8_t x[4];
+  std::memcpy(x, &x4, 4);
+  for (int lane = 0; lane < 16; ++lane)
+    for (int j = 0; j < 4; ++j) acc[lane] += static_cast<int32_t>(w[4 * lane + j]) * x[j];
+  return acc;
+#endif
+}
+
+inline vec16 load_half16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vec16 out;
+  std::memcpy(&out, &v, 64);
+  return out;
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vec16 out;
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  vec16 out;
+  for (int i = 0; i < 16; ++i) out[i] = from_half_bits(p[i]);
+  return out;
+#endif
+}
+
+// Quantized activations: xq [M, K] int8, dx [M, K/32] scales, sums [M, K/flush] = dx * sum(xq).
+struct Activations {
+  const int8_t* q;
+  const float* scale;
+  const float* sums;
+  int64_t k, sums_per_row;
+};
+
+inline int32_t x4_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[m, panel rows] for MR activation rows starting at m0, over one panel.
+template <int Bits, int Flush, int MR>
+void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
+  const int64_t k = a.k;
+  const uint8_t* quants = panel;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
+  const uint16_t* mins = scales + (k / Flush) * kPanel;
+  vec16 acc[MR] = {};
+  const int8_t* xrow[MR];
+  for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
+  const u8x64 low = (u8x64){} + 0xF;
+  for (int64_t f = 0; f < k / Flush; ++f) {
+    i32v iacc[MR] = {};
+    const int64_t k0 = f * Flush;
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < Flush / 8; ++c) {
+        const u8x64 v = load_u8x64(quants + (k0 / 8 + c) * 64);
+        const u8x64 w0 = v & low, w1 = (v >> 4) & low;
+        for (int m = 0; m < MR; ++m) {
+          iacc[m] = dot4(iacc[m], w0, x4_at(xrow[m] + k0 + 8 * c));
+          iacc[m] = dot4(iacc[m], w1, x4_at(xrow[m] + k0 + 8 * c + 4));
+        }
+      }
+    } else if constexpr (Bits == 6) {
+      static_assert(Flush == 16, "6-bit panels hold 16-input groups");
+      const uint8_t* g = quants + f * 192;
+      const u8x64 n0 = load_u8x64(g), n1 = load_u8x64(g + 64), h = load_u8x64(g + 128);
+      const u8x64 three = (u8x64){} + 0x30;
+      const u8x64 w[4] = {(n0 & low) | ((h << 4) & three), ((n0 >> 4) & low) | ((h << 2) & three),
+                          (n1 & low) | (h & three), ((n1 >> 4) & low) | ((h >> 2) & three)};
+      for (int s = 0; s < 4; ++s)
+        for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], w[s], x4_at(xrow[m] + k0 + 4 * s));
+    } else {
+      for (int s = 0; s < Flush / 4; ++s) {
+        const u8x64 w = load_u8x64(quants + (k0 / 4 + s) * 64);
+        for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], w, x4_at(xrow[m] + k0 + 4 * s));
+      }
+    }
+    const vec16 sc = load_half16(scales + f * kPanel);
+    const vec16 mn = t.has_mins ? load_half16(mins + f * kPanel) : sc * t.min_factor;
+    for (int m = 0; m < MR; ++m) {
+      const float dx = a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock];
+      const float sx = a.sums[(m0 + m) * a.sums_per_row + f];
+      acc[m] += __builtin_convertvector(iacc[m], vec16) * (sc * dx) + mn * sx;
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = acc[m];
+}
+
+template <int Bits, int Flush>
+void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activations& a, int64_t m_rows,
+                const float* bias, float* y) {
+  const int64_t k = a.k, pb = panel_bytes(t, k);
+  const int64_t n_panels = (n_rows + kPanel - 1) / kPanel;
+  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
+    vec16 out[4];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = w + p * pb;
+      if (p + 1 < end) {
+        // The next panel streams in from memory while this one is multiplied.
+        for (int64_t line = 0; line < pb; line += 64) __builtin_prefetch(panel + pb + line, 0, 3);
+      }
+      const int64_t n0 = p * kPanel;
+      const int rows = static_cast<int>(std::min<int64_t>(kPanel, n_rows - n0));
+      vec16 b = {};
+      if (bias != nullptr) {
+        for (int r = 0; r < rows; ++r) b[r] = bias[n0 + r];
+      }
+      for (int64_t m = 0; m < m_rows;) {
+        const int64_t left = m_rows - m;
+        int mr;
+        if (left >= 4) {
+          panel_kernel<Bits, Flush, 4>(t, panel, a, m, out);
+          mr = 4;
+        } else if (left == 3) {
+          panel_kernel<Bits, Flush, 3>(t, panel, a, m, out);
+          mr = 3;
+        } else if (left == 2) {
+          panel_kernel<Bits, Flush, 2>(t, panel, a, m, out);
+          mr = 2;
+        } else {
+          panel_kernel<Bits, Flush, 1>(t, panel, a, m, out);
+          mr = 1;
+        }
+        for (int i = 0; i < mr; ++i) {
+          const vec16 v = out[i] + b;
+          float* dst = y + (m + i) * n_rows + n0;
+          if (rows == kPanel) {
+            store16(dst, v);
+          } else {
+            for (int r = 0; r < rows; ++r) dst[r] = v[r];
+          }
+        }
+        m += mr;
+      }
+    }
+  });
+}
+
+// Round-to-nearest int8 per block of 32 (scale = max|x| / 127), and the per-flush-block sums.
+void quantize_activations(const float* x, int64_t m_rows, int64_t k, int flush, int8_t* q, float* scale,
+                          float* sums) {
+  const int64_t blocks = k / kActBlock, per = kActBlock / flush;
+  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + m * k + b * kActBlock;
+        const vec16 v0 = load16(xb), v1 = load16(xb + 16);
+        float amax = 0.f;
+        for (int i = 0; i < 16; ++i) amax = std::max(amax, std::max(std::fabs(v0[i]), std::fabs(v1[i])));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        scale[m * blocks + b] = d;
+        int8_t* qb = q + m * k + b * kActBlock;
+        int32_t sum[2] = {0, 0};
+        for (int i = 0; i < kActBlock; ++i) {
+          const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+          qb[i] = static_cast<int8_t>(v);
+          sum[i / 16] += v;
+        }
+        if (per == 1) {
+          sums[m * blocks + b] = d * static_cast<float>(sum[0] + sum[1]);
+        } else {
+          sums[(m * blocks + b) * 2] = d * static_cast<float>(sum[0]);
+          sums[(m * blocks + b) * 2 + 1] = d * static_cast<float>(sum[1]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Which integer dot product this build uses: "avx512_vnni", "avx_vnni", "avx2" or "portable".
+std::string int8_dot_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "avx512_vnni";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+  return "avx_vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// Whether `format` can be tiled on this build (8-bit quants need a VNNI dot product, see dot4).
+bool int8_tiling_supported(int64_t format) {
+  switch (format) {
+    case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q6_K: return true;
+    case F_Q5_K: case F_Q8_0: case F_I8_ROW: return int8_dot_isa() != "avx2";
+  }
+  return false;
+}
+
+// A packed weight [N, row_bytes] in `format` -> its int8 tiling [ceil(N / 16), panel_bytes].
+torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k) {
+  check_weight(qweight, format, k);
+  TORCH_CHECK(int8_tiling_supported(format), "format ", format, " cannot be tiled for int8 on this CPU");
+  TORCH_CHECK(k % kActBlock == 0, "in_features must be a multiple of ", kActBlock);
+  const Tiling t = tiling_of(format);
+  const int64_t n = qweight.size(0), rb = qweight.size(1), n_panels = (n + kPanel - 1) / kPanel;
+  auto out = torch::empty({n_panels, panel_bytes(t, k)}, torch::dtype(torch::kByte));
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t pb = panel_bytes(t, k);
+  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) tile_panel(format, t, w, rb, n, p, k, o + p * pb);
+  });
+  return out;
+}
+
+// Rows of a tiled weight as float32 (embedding lookups; tests).
+torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, torch::Tensor rows) {
+  const Tiling t = tiling_of(format);
+  TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
+                  tiled.size(1) == panel_bytes(t, k),
+              "not an int8-tiled weight of ", k, " inputs");
+  auto index = rows.to(torch::kLong).contiguous().view({-1});
+  const int64_t* idx = index.data_ptr<int64_t>();
+  const int64_t count = index.numel(), pb = panel_bytes(t, k);
+  auto out = torch::empty({count, k}, torch::dtype(torch::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = tiled.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t n = idx[c];
+      TORCH_CHECK(n >= 0 && n < n_rows, "row index ", n, " out of range [0, ", n_rows, ")");
+      const uint8_t* panel = w + (n / kPanel) * pb;
+      const int r = static_cast<int>(n % kPanel);
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
+      const uint16_t* mins = scales + (k / t.flush) * kPanel;
+      for (int64_t i = 0; i < k; ++i) {
+        int64_t byte = 0, high_byte = 0;
+        int shift = 0, high_shift = 0;
+        quant_position(t, r, i, &byte, &shift, &high_byte, &high_shift);
+        int q = t.bits == 8 ? panel[byte] : (panel[byte] >> shift) & 0xF;
+        if (t.bits == 6) q |= ((panel[high_byte] >> high_shift) & 3) << 4;
+        const int64_t f = i / t.flush;
+        const float s = from_half_bits(scales[f * kPanel + r]);
+        const float mn = t.has_mins ? from_half_bits(mins[f * kPanel + r]) : s * t.min_factor;
+        o[c * k + i] = s * static_cast<float>(q) + mn;
+      }
+    }
+  });
+  return out;
+}
+
+// y = quantize_int8(x) @ W^T + bias for an int8-tiled W [n_rows, k].
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
+                          c10::optional<torch::Tensor> bias) {
+  const Tiling t = tiling_of(format);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
+  TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
+                  tiled.size(1) == panel_bytes(t, k) && tiled.size(0) == (n_rows + kPanel - 1) / kPanel,
+              "not an int8-tiled weight of ", n_rows, " x ", k);
+  auto shape = x.sizes().vec();
+  shape.back() = n_rows;
+  auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  torch::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(bias_c.numel() == n_rows, "bias must have ", n_rows, " elements");
+  }
+  auto xq = torch::empty({m, k}, torch::dtype(torch::kChar));
+  auto dx = torch::empty({m, k / kActBlock}, torch::dtype(torch::kFloat));
+  auto sums = torch::empty({m, k / t.flush}, torch::dtype(torch::kFloat));
+  quantize_activations(x2.data_ptr<float>(), m, k, t.flush, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                       sums.data_ptr<float>());
+  const Activations a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<float>(), k, k / t.flush};
+  auto y = torch::empty({m, n_rows}, x2.options());
+  const float* b = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
+  const uint8_t* w = tiled.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (t.bits == 4) {
+    run_panels<4, 32>(t, w, n_rows, a, m, b, yp);
+  } else if (t.bits == 6) {
+    run_panels<6, 16>(t, w, n_rows, a, m, b, yp);
+  } else {
+    run_panels<8, 32>(t, w, n_rows, a, m, b, yp);
+  }
+  return y.view(shape);
+}

@@ -1,0 +1,83 @@
+"""Packed weights re-tiled for int8 activations (integer dot products), and when to use them.
+
+With ``int8_activations`` a linear layer quantizes its input to int8 per block of 32 (one float
+scale per block, round to nearest), and multiplies it with the weight's own integer quants in
+integer dot-product instructions, as llama.cpp does; the weight is re-tiled once at load time
+into panels of 16 output rows (``attention/csrc/quant_int8_cpu.cpp`` documents the layout) at the
+same bits per weight as its format, replacing the packed rows (no second copy). This is several
+times fewer instructions per weight than decoding to float, and the batch of a step shares every
+unpacked weight. Quantizing activations changes results slightly: the greedy output is no longer
+token-for-token the dequantized model's (``benchmarks/int8_activations.py`` measures perplexity
+and greedy agreement); ``int8_activations=False`` keeps the exact float-activation kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.quantization.formats import Format
+
+
+@dataclass(slots=True)
+class Int8TiledTensor:
+    """A packed weight ``[rows, in_features]`` of ``fmt`` re-tiled for int8 dot products."""
+
+    data: torch.Tensor  # uint8 [ceil(rows / 16), panel_bytes]
+    fmt: Format
+    rows: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x32 = x if x.dtype == torch.float32 else x.float()
+        y = load_cpu_kernels().int8_linear(x32, self.data, self.fmt.id, self.rows, self.in_features, bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``ids`` (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        out = load_cpu_kernels().int8_tiled_rows(self.data, self.fmt.id, self.rows, self.in_features, flat)
+        return out.view(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.take_rows(torch.arange(self.rows))
+
+
+def int8_tiling_reason(device: torch.device) -> str | None:
+    """Why int8 activations cannot run here (None: they can)."""
+    if device.type != "cpu":
+        return f"int8 activations run on the CPU kernels only (the model is on {device})"
+    module = load_cpu_kernels()
+    if module is None:
+        return "int8 activations need the C++ CPU kernels, which are not available here"
+    if module.int8_dot_isa() == "portable":
+        return "this CPU has no integer dot-product instructions (AVX2 or VNNI) for int8 activations"
+    return None
+
+
+def resolve_int8_activations(requested: bool | None, device: torch.device) -> bool:
+    """``None`` (auto): on wherever the kernels can run; ``True``: on, or a clear error; ``False``: off."""
+    if requested is False:
+        return False
+    reason = int8_tiling_reason(device)
+    if reason is not None and requested:
+        raise ValueError(f"int8_activations=True: {reason}.")
+    return reason is None
+
+
+def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8TiledTensor | None:
+    """The int8 tiling of packed rows, or None where this format / shape cannot be tiled on this CPU."""
+    module = load_cpu_kernels()
+    if in_features % 32 or not module.int8_tiling_supported(fmt.id):
+        return None
+    return Int8TiledTensor(module.int8_tile_weight(data, fmt.id, in_features), fmt, data.shape[0], in_features)
