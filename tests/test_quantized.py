@@ -168,7 +168,7 @@ def _dequantized_engine(path: str, tokenizer_dir: str) -> LLM:
 @pytest.mark.parametrize("types", GGUF_TYPES + ["Q4_K_M"])
 def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir):
     path = _gguf(gguf_dir, tokenizer_dir, types, Q4_K_M if types == "Q4_K_M" else types, tied=types == "Q4_1")
-    packed = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8)
+    packed = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, int8_activations=False)
     model = packed.llm_engine.worker.runner.model
     packed_bytes, found = packed_weight_bytes(model)
     expected_formats = {"Q4_K", "Q6_K"} if types == "Q4_K_M" else {types}
@@ -187,7 +187,7 @@ def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir):
 def test_gguf_type_not_kept_packed_is_dequantized_with_a_warning(gguf_dir, tokenizer_dir, caplog):
     path = _gguf(gguf_dir, tokenizer_dir, "q5_0", {"default": "Q4_0", "ffn_up": "Q5_0"})
     with caplog.at_level("WARNING"):
-        llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32, block_size=8)
+        llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32, block_size=8, int8_activations=False)
     assert any("Q5_0" in r.message and "ffn_up" in r.message for r in caplog.records)
     model = llm.llm_engine.worker.runner.model
     # Per layer qkv, o, down and the gate half of gate_up stay Q4_0; the up half is float; + embedding, output.
@@ -207,8 +207,9 @@ def test_gguf_refuses_load_time_quantization(gguf_dir, tokenizer_dir):
 def test_tensor_parallel_shards_of_packed_weights(gguf_dir, tokenizer_dir):
     """2 ranks: each holds half of every split packed weight, cut on block boundaries; same greedy output."""
     path = _gguf(gguf_dir, tokenizer_dir, "Q8_0", "Q8_0")
-    single = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8)
-    split = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, tensor_parallel_size=2)
+    single = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, int8_activations=False)
+    split = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, tensor_parallel_size=2,
+                int8_activations=False)
     try:
         prompts = _prompts(_vocab(tokenizer_dir))
         assert _greedy(split, prompts) == _greedy(single, prompts)
@@ -247,7 +248,8 @@ def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quanti
     folder = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model_config(folder, quantization="dequantize")
-    llm = LLM(folder, dtype="float32", quantization=quantization, num_kv_blocks=64, block_size=8)
+    llm = LLM(folder, dtype="float32", quantization=quantization, num_kv_blocks=64, block_size=8,
+              int8_activations=False)
     model = llm.llm_engine.worker.runner.model
     packed_bytes, found = packed_weight_bytes(model)
     # hidden 64, intermediate 128: groups of 128 fit only down_proj; the others take 64.
