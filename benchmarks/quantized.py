@@ -5,9 +5,10 @@ Models (``--models``; a name below or a path to a .gguf):
 - ``1b-q4_0``, ``1b-q4_k_m``: random Llama-3.2-1B-shaped GGUFs, ``8b-q4_k_m``: random Llama-3-8B-shaped
   (written by benchmarks/make_gguf_models.py into --models-dir, default /work/models).
 Engines (``--engines``), each in its own process so that peak RSS is its own:
-- ``pagedllm``: ``LLM(model=FILE.gguf)`` (quant_runners/run_pagedllm.py), once per ``--pagedllm-env``
-  variant (``--pagedllm-env PAGEDLLM_QUANT_KERNEL=torch`` adds a second pagedllm row with that
-  environment; comma-separate several KEY=VAL in one variant);
+- ``pagedllm``: ``LLM(model=FILE.gguf)`` (quant_runners/run_pagedllm.py), once per ``--pagedllm-variant``
+  (``--pagedllm-variant int8_activations=false`` adds a pagedllm row with that ``LLM(...)`` keyword;
+  upper-case keys set the environment instead: ``PAGEDLLM_QUANT_KERNEL=torch``; comma-separate several
+  KEY=VAL in one variant);
 - ``llamacpp``: llama-cpp-python's ``Llama`` for one stream (quant_runners/run_llamacpp.py); it also
   serves the many-streams figures through the batched ``llama_decode`` API when ``llamacpp-server``
   is not run (``--llamacpp-streams batched`` forces that);
@@ -32,15 +33,12 @@ prefix-cache hits), the same for every engine.
         --streams --repeats 1                                                   # a quick look
     .venv/bin/python benchmarks/quantized.py --models default 1b-q4_0 1b-q4_k_m --repeats 3 \\
         --json benchmarks/results/quantized.json
-    .venv/bin/python benchmarks/quantized.py --models 1b-q4_0 --engines pagedllm \\
-        --pagedllm-env PAGEDLLM_QUANT_KERNEL=torch                              # kernels compared
+    .venv/bin/python benchmarks/quantized.py --models 1b-q4_0 --engines pagedllm llamacpp --streams 16 \\
+        --pagedllm-variant int8_activations=false                               # float activations too
 
 Bars printed at the end (issue 11): 1B Q4_0 single stream >= 1.0x llama.cpp, 16 streams >= 2x
 llama.cpp server's aggregate, peak RSS <= 1.3x llama.cpp's; 8B Q4_K_M single stream >= 0.8x;
 default model: pagedllm's resident weight bytes <= 1.5x the GGUF file.
-
-pagedllm dequantizing to float32 (the path before issue 11) needs ~2 x 4 bytes per weight; a model
-where that exceeds the memory available is skipped for pagedllm unless ``--no-float-guard``.
 """
 
 from __future__ import annotations
@@ -109,14 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server-parallel", type=int, default=16, help="llama-server --parallel")
     parser.add_argument("--llamacpp-streams", choices=("auto", "server", "batched"), default="auto",
                         help="who serves llama.cpp's many-streams figures (auto: the server when it runs)")
-    parser.add_argument("--pagedllm-env", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
-                        help="an extra pagedllm variant run with this environment (repeatable)")
+    parser.add_argument("--pagedllm-variant", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                        help="an extra pagedllm row with these LLM(...) keywords (upper-case keys: "
+                             "environment variables) (repeatable)")
     parser.add_argument("--pagedllm-option", action="append", default=[], metavar="KEY=VALUE",
                         help="LLM(...) keyword for every pagedllm variant; VALUE parsed as JSON if it can be")
     parser.add_argument("--hf-dir", action="append", default=[], metavar="MODEL=DIR",
                         help="Hugging Face float folder of MODEL, for vLLM")
-    parser.add_argument("--no-float-guard", action="store_true",
-                        help="run pagedllm even where a float32 copy of the model would not fit in memory")
     parser.add_argument("--json", default=None, help="write every figure here (e.g. benchmarks/results/quantized.json)")
     parser.add_argument("--log-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "quantized"))
     return parser.parse_args(argv)
@@ -141,45 +138,31 @@ def resolve_model(name: str, models_dir: str) -> str:
     return name
 
 
-def parse_env(spec: str) -> dict[str, str]:
-    env = {}
+def parse_variant(spec: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """``KEY=VAL[,KEY=VAL]`` -> (environment: the upper-case keys, LLM keywords: the others)."""
+    env: dict[str, str] = {}
+    pairs = []
     for pair in filter(None, spec.split(",")):
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--pagedllm-env {spec!r}: expected KEY=VAL[,KEY=VAL]")
-        env[key.strip()] = value
-    return env
+            raise SystemExit(f"--pagedllm-variant {spec!r}: expected KEY=VAL[,KEY=VAL]")
+        if key.strip().isupper():
+            env[key.strip()] = value
+        else:
+            pairs.append(pair)
+    return env, parse_options(pairs)
 
 
 def parse_options(specs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` -> {KEY: VALUE parsed as JSON where it can be}."""
     options: dict[str, Any] = {}
     for spec in specs:
         key, _, value = spec.partition("=")
         try:
-            options[key] = json.loads(value)
+            options[key.strip()] = json.loads(value)
         except ValueError:
-            options[key] = value
+            options[key.strip()] = value
     return options
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def float32_bytes(gguf_path: str) -> int:
-    from pagedllm.models.gguf_loader import read_gguf
-
-    total = 0
-    for info in read_gguf(gguf_path).tensors.values():
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        total += 4 * numel
-    return total
 
 
 def warm_page_cache(path: str) -> float:
@@ -221,21 +204,15 @@ def plan_engines(args: argparse.Namespace, model_name: str, path: str,
         return os.path.join(args.log_dir, f"{tag}-{engine.replace(' ', '_').replace('=', '-')}.log")
 
     if "pagedllm" in args.engines:
-        need = 2 * float32_bytes(path)
-        if not args.no_float_guard and need > 0.8 * mem_available():
-            skipped.append(Result("pagedllm", model_name, error=f"skipped: a float32 load would take ~"
-                                  f"{need / 2**30:.0f} GiB, {mem_available() / 2**30:.0f} GiB available "
-                                  "(--no-float-guard runs it)"))
-        else:
-            pagedllm_python = os.path.join(REPO, ".venv", "bin", "python")
+        pagedllm_python = os.path.join(REPO, ".venv", "bin", "python")
+        for variant in [""] + args.pagedllm_variant:
+            env, keywords = parse_variant(variant)
             options = {"kv_tokens": kv_tokens, "max_num_seqs": max(16, max_seqs),
-                       "llm": parse_options(args.pagedllm_option)}
-            for variant in [""] + args.pagedllm_env:
-                env = parse_env(variant)
-                name = "pagedllm" + (f"[{variant}]" if variant else "")
-                slots.append(Slot(name, lambda name=name, env=env: ChildEngine(
-                    name, pagedllm_python, "run_pagedllm.py", path, args.threads, options, env, log(name)),
-                    True, True))
+                       "llm": {**parse_options(args.pagedllm_option), **keywords}}
+            name = "pagedllm" + (f"[{variant}]" if variant else "")
+            slots.append(Slot(name, lambda name=name, env=env, options=options: ChildEngine(
+                name, pagedllm_python, "run_pagedllm.py", path, args.threads, options, env, log(name)),
+                True, True))
     peers = os.path.expanduser(args.peers_dir)
     server_bin = args.llama_server or os.path.join(peers, "llamacpp", "bin", "llama-server")
     server_runs = "llamacpp-server" in args.engines and os.path.isfile(server_bin)

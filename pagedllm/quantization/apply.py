@@ -9,6 +9,8 @@ have had are never allocated: each chosen layer's ``weight`` parameter is replac
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 
 import torch
@@ -54,6 +56,8 @@ def settle_packed_weights(model: nn.Module, device: torch.device, int8_activatio
             weight.to(device)
             if int8_activations:
                 weight.tile_int8()
+                _release_free_memory()
+    _release_free_memory()
 
 
 def packed_weight_bytes(model: nn.Module) -> tuple[int, dict[str, int]]:
@@ -66,3 +70,18 @@ def packed_weight_bytes(model: nn.Module) -> tuple[int, dict[str, int]]:
             for fmt in weight.formats:
                 formats[fmt] = formats.get(fmt, 0) + 1
     return total, formats
+
+
+def _release_free_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc's malloc_trim). Loading frees a
+    packed copy of every tensor it merges or re-tiles; glibc keeps such freed chunks, and the
+    process's resident memory would keep them, until told to return them."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name) if name else False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
+_libc = None

@@ -211,15 +211,23 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
     const int64_t n = p * kPanel + r;
     if (n >= n_rows) break;  // padding rows stay zero: zero scales, zero quants
     row_quants(format, w + n * rb, k, t, q.data(), scale.data(), offset.data());
-    for (int64_t i = 0; i < k; ++i) {
-      int64_t byte = 0, high_byte = 0;
-      int shift = 0, high_shift = 0;
-      quant_position(t, r, i, &byte, &shift, &high_byte, &high_shift);
-      if (t.bits == 8) {
-        out[byte] = q[i];
-      } else {
-        out[byte] |= (q[i] & 0xF) << shift;
-        if (t.bits == 6) out[high_byte] |= ((q[i] >> 4) & 3) << high_shift;
+    // The placement quant_position describes, written out per layout (it runs for every weight
+    // of a model at load time).
+    const uint8_t* qr = q.data();
+    uint8_t* dst = out + 4 * r;
+    if (t.bits == 8) {
+      for (int64_t i = 0; i < k; i += 4, dst += 64) std::memcpy(dst, qr + i, 4);
+    } else if (t.bits == 4) {
+      for (int64_t i = 0; i < k; i += 8, dst += 64)
+        for (int j = 0; j < 4; ++j) dst[j] = static_cast<uint8_t>(qr[i + j] | (qr[i + 4 + j] << 4));
+    } else {
+      for (int64_t i = 0; i < k; i += 16, dst += 192) {
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* g = qr + i + j;
+          dst[j] = static_cast<uint8_t>((g[0] & 0xF) | ((g[4] & 0xF) << 4));
+          dst[64 + j] = static_cast<uint8_t>((g[8] & 0xF) | ((g[12] & 0xF) << 4));
+          dst[128 + j] = static_cast<uint8_t>((g[0] >> 4) | ((g[4] >> 4) << 2) | ((g[8] >> 4) << 4) | ((g[12] >> 4) << 6));
+        }
       }
     }
     for (int64_t f = 0; f < k / t.flush; ++f) {
@@ -352,13 +360,22 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
   for (int m = 0; m < MR; ++m) out[m] = acc[m];
 }
 
+// Activation rows per pass over a panel: each unpacked weight operand is used this many times.
+// Their int32 and float accumulators take 2 x 8 of AVX-512's 32 vector registers; with 256-bit
+// vectors (16 registers, two per accumulator) 4 rows already fill them.
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;
+#endif
+
 template <int Bits, int Flush>
 void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activations& a, int64_t m_rows,
                 const float* bias, float* y) {
   const int64_t k = a.k, pb = panel_bytes(t, k);
   const int64_t n_panels = (n_rows + kPanel - 1) / kPanel;
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
-    vec16 out[4];
+    vec16 out[kMaxRows];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = w + p * pb;
       if (p + 1 < end) {
@@ -374,7 +391,10 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
       for (int64_t m = 0; m < m_rows;) {
         const int64_t left = m_rows - m;
         int mr;
-        if (left >= 4) {
+        if (kMaxRows == 8 && left >= 8) {
+          panel_kernel<Bits, Flush, kMaxRows>(t, panel, a, m, out);
+          mr = kMaxRows;
+        } else if (left >= 4) {
           panel_kernel<Bits, Flush, 4>(t, panel, a, m, out);
           mr = 4;
         } else if (left == 3) {

@@ -1,0 +1,69 @@
+"""The packed-weight kernels alone, side by side: float activations (quant_linear) against int8
+activations over the re-tiled weight (int8_linear), on a Llama-3.2-1B's shapes.
+
+For each shape and activation row count M: median milliseconds of each kernel, the weight bytes it
+streams per millisecond (GB/s; above the machine's DRAM bandwidth means the weight sat in the last
+level cache between calls), the int8 kernel's integer GOPS and the speed-up.
+
+    .venv/bin/python benchmarks/packed_gemm.py [--threads 2] [--rows 1 4 16 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gguf_blocks import random_packed  # noqa: E402
+
+from pagedllm.attention.cpu_kernels import load_cpu_kernels  # noqa: E402
+
+# name, output rows, inputs, GGUF type: a Llama-3.2-1B layer's projections and its Q6_K LM head.
+SHAPES = [("qo", 2048, 2048, "Q4_0"), ("kv", 512, 2048, "Q4_0"), ("gate/up", 8192, 2048, "Q4_0"),
+          ("down", 2048, 8192, "Q4_0"), ("up Q4_K", 8192, 2048, "Q4_K"), ("head", 128256, 2048, "Q6_K")]
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    args = parser.parse_args()
+    from gguf.constants import GGMLQuantizationType
+
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    print(f"int8 dot product: {kernels.int8_dot_isa()}, {args.threads} threads")
+    rng = np.random.default_rng(0)
+    print(f"{'shape':>8} {'type':>5} {'M':>4} | {'float ms':>8} {'GB/s':>5} | {'int8 ms':>8} {'GB/s':>5} {'GOPS':>6} | speed-up")
+    for name, n, k, type_name in SHAPES:
+        qtype = GGMLQuantizationType[type_name]
+        packed = torch.from_numpy(np.ascontiguousarray(random_packed(rng, qtype, n, k)))
+        tiled = kernels.int8_tile_weight(packed, qtype.value, k)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            repeats = max(3, min(30, int(2e9 / (n * k * max(m, 8)))))
+            t_float = median_seconds(lambda: kernels.quant_linear(x, packed, qtype.value, k, None, 48), repeats)
+            t_int8 = median_seconds(lambda: kernels.int8_linear(x, tiled, qtype.value, n, k, None), repeats)
+            print(f"{name:>8} {type_name:>5} {m:4d} | {t_float * 1e3:8.2f} {packed.numel() / t_float / 1e9:5.1f} | "
+                  f"{t_int8 * 1e3:8.2f} {tiled.numel() / t_int8 / 1e9:5.1f} {2 * m * n * k / t_int8 / 1e9:6.0f} | "
+                  f"{t_float / t_int8:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
