@@ -70,7 +70,8 @@ class Result:
     engine: str
     model: str
     load_s: float | None = None
-    memory: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # at the end (every phase's peak)
+    memory_single: dict[str, Any] = field(default_factory=dict)  # after the single-stream phase
     single_tok_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     streams_tok_s: dict[int, list[float]] = field(default_factory=dict)
@@ -282,10 +283,8 @@ def run_model(args: argparse.Namespace, model_name: str, path: str) -> list[Resu
                 continue
             result.load_s = slot.engine.load_s
             print(f"  {slot.name} loaded in {result.load_s:.1f} s", flush=True)
-            try:  # warm-up: a short stream and, where measured, a small batch
+            try:  # warm-up: a short stream (the batch warm-up comes after the single-stream figures)
                 slot.engine.single(prompts_for(-1, 1, args.prompt_len)[0], 4)
-                if slot.streams and args.streams:
-                    slot.engine.batch(prompts_for(-2, 2, args.prompt_len), 4)
             except Exception as e:
                 result.error = f"warm-up failed: {e}"
                 print(result.error.splitlines()[0])
@@ -310,7 +309,9 @@ def rotated(items: list, shift: int) -> list:
 
 
 def measure(args: argparse.Namespace, live: list[tuple[Slot, Result]]) -> None:
-    for repeat in range(args.repeats):
+    """Every single-stream repeat first, each engine's memory after them (its single-stream peak,
+    what llama.cpp's one-stream ``Llama`` is compared with), then the many-streams repeats."""
+    for repeat in range(args.repeats if not args.no_single else 0):
         if not args.no_single:
             prompt = prompts_for(1000 * repeat + 1, 1, args.prompt_len)[0]
             for slot, result in rotated([x for x in live if x[0].single], repeat):
@@ -326,6 +327,14 @@ def measure(args: argparse.Namespace, live: list[tuple[Slot, Result]]) -> None:
                 result.prefill_s.append(reply["prefill_s"])
                 print(f"[{repeat}] {slot.name:28s} 1 stream  {rate:7.2f} tok/s decode "
                       f"(prefill {reply['prefill_s']:.2f} s)", flush=True)
+    for slot, result in live:
+        try:
+            result.memory_single = slot.engine.memory()
+            if slot.streams and args.streams and not result.error:
+                slot.engine.batch(prompts_for(-2, 2, args.prompt_len), 4)  # warm-up of the batched path
+        except Exception as e:
+            result.notes.append(f"after the single streams: {e}")
+    for repeat in range(args.repeats):
         for n in args.streams:
             prompts = prompts_for(1000 * repeat + n + 2, n, args.prompt_len)
             for slot, result in rotated([x for x in live if x[0].streams], repeat):
@@ -358,8 +367,8 @@ def report(args: argparse.Namespace, results: list[Result], paths: dict[str, str
     streams_cols = "".join(f" {f'{n} streams':>10s} |" for n in args.streams)
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); single stream: {args.prompt_len} "
           f"prompt + {args.max_tokens} new tokens, decode only; streams: aggregate output tok/s\n")
-    print(f"| model | engine | load s | peak RSS GiB | anon / file GiB | weights GiB | 1 stream tok/s (roofline) |"
-          f"{streams_cols}")
+    print(f"| model | engine | load s | peak RSS GiB: 1 stream / all | anon / file GiB | weights GiB | "
+          f"1 stream tok/s (roofline) |{streams_cols}")
     print("|---|---|---:|---:|---:|---:|---|" + "---:|" * len(args.streams))
     for r in results:
         per_token = weight_bytes_per_token(paths[r.model])
@@ -372,10 +381,12 @@ def report(args: argparse.Namespace, results: list[Result], paths: dict[str, str
         weights = r.memory.get("weight_bytes")  # tensors the engine holds (pagedllm reports it)
         anon, file = r.memory.get("RssAnon"), r.memory.get("RssFile")  # at the end; file = mmapped pages
         split = f"{anon / 2**30:.2f} / {file / 2**30:.2f}" if anon is not None and file is not None else "-"
-        print(f"| {r.model} | {name} | {fmt(r.load_s)} | {fmt(peak and peak / 2**30, '.2f')} | {split} | "
+        peak_single = r.memory_single.get("VmHWM")
+        peaks = f"{fmt(peak_single and peak_single / 2**30, '.2f')} / {fmt(peak and peak / 2**30, '.2f')}"
+        print(f"| {r.model} | {name} | {fmt(r.load_s)} | {peaks} | {split} | "
               f"{fmt(weights and weights / 2**30, '.2f')} | {single_text} |{cells}")
         rows.append({"model": r.model, "path": paths[r.model], "file_bytes": os.path.getsize(paths[r.model]),
-                     "engine": r.engine, "load_s": r.load_s, "memory": r.memory,
+                     "engine": r.engine, "load_s": r.load_s, "memory": r.memory, "memory_single": r.memory_single,
                      "single_decode_tok_s": r.single_tok_s, "single_decode_tok_s_median": single,
                      "single_prefill_s": r.prefill_s, "weight_bytes_per_token": per_token,
                      "roofline_tok_s": roofline, "streams_tok_s": {str(k): v for k, v in r.streams_tok_s.items()},
@@ -419,10 +430,14 @@ def ratios(args: argparse.Namespace, results: list[Result], paths: dict[str, str
             for n in args.streams:
                 ratio_line(out, model, r.engine, f"{n} streams vs {streams_peer.engine}", r.median_streams(n),
                            streams_peer.median_streams(n), "2.0" if is_1b_q4_0 and n == 16 else None)
-        for peer in (llama, server):
-            if peer:
-                ratio_line(out, model, r.engine, f"peak RSS vs {peer.engine}", r.memory.get("VmHWM"),
-                           peer.memory.get("VmHWM"), "1.3" if is_1b_q4_0 else None, higher=False)
+        # Like with like: the one-stream peak against Llama's (one stream), the whole run's against the
+        # server's (which served the many streams).
+        if llama and r.memory_single and llama.memory_single:
+            ratio_line(out, model, r.engine, f"single-stream peak RSS vs {llama.engine}", r.memory_single.get("VmHWM"),
+                       llama.memory_single.get("VmHWM"), "1.3" if is_1b_q4_0 else None, higher=False)
+        if server:
+            ratio_line(out, model, r.engine, f"peak RSS vs {server.engine}", r.memory.get("VmHWM"),
+                       server.memory.get("VmHWM"), "1.3" if is_1b_q4_0 else None, higher=False)
         ratio_line(out, model, r.engine, "weight bytes vs GGUF file size", r.memory.get("weight_bytes"),
                    os.path.getsize(paths[model]), "1.5" if model == "default" else None, higher=False)
     return out

@@ -260,8 +260,8 @@ inline i32v dot4(i32v acc, u8x64 w, int32_t x4) {
 #if defined(__AVXVNNI__)
     a[h] = _mm256_dpbusd_avx_epi32(a[h], b[h], xv);
 #else
-    // pmaddubsw sums pairs into int16 with saturation: exact while quants are < 64 (6 bits), which
-    // is why 8-bit formats are not tiled on CPUs without VNNI.
+    // pmaddubsw sums pairs into int16 with saturation: exact while quants are < 128 (2 x 127 x 127
+    // fits), which is why 8-bit formats (quants up to 255) are not tiled on CPUs without VNNI.
     const __m256i pairs = _mm256_maddubs_epi16(b[h], xv);
     a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
@@ -471,8 +471,8 @@ std::string int8_dot_isa() {
 // Whether `format` can be tiled on this build (8-bit quants need a VNNI dot product, see dot4).
 bool int8_tiling_supported(int64_t format) {
   switch (format) {
-    case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q6_K: return true;
-    case F_Q5_K: case F_Q8_0: case F_I8_ROW: return int8_dot_isa() != "avx2";
+    case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: return true;
+    case F_Q8_0: case F_I8_ROW: return int8_dot_isa() != "avx2";
   }
   return false;
 }
