@@ -54,7 +54,7 @@ def measure(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
     last = context - 1
     slot_mapping = (tables[:, last // block_size] * block_size + last % block_size).to(torch.int64)
     meta = AttentionMetadata(
-        is_prefill=False, slot_mapping=slot_mapping, query_lens=[1] * batch, query_start_loc=list(range(batch + 1)),
+        slot_mapping=slot_mapping, query_lens=[1] * batch, query_start_loc=list(range(batch + 1)),
         context_lens=torch.full((batch,), context, dtype=torch.int64, device=device), block_tables=tables,
         num_cached_tokens=[context - 1] * batch, max_context_len=context,
     )

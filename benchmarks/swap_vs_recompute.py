@@ -69,7 +69,7 @@ def measure_block_size(model, model_config, args, block_size: int, device: torch
     tables = [gpu_ids[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(args.num_seqs)]
     vocab = model_config.hf_config.vocab_size
     token_ids = [[rng.randrange(100, vocab) for _ in range(args.seq_len)] for _ in range(args.num_seqs)]
-    step = StepInput(is_prefill=True, seqs=[
+    step = StepInput(seqs=[
         SeqStepInput(seq_id=i, token_ids=token_ids[i], start_pos=0, block_table=tables[i], sampling_row=None)
         for i in range(args.num_seqs)
     ])

@@ -99,7 +99,7 @@ def profile_run(llm: LLM, requests) -> None:
     """Where the time goes: the engine's phase breakdown, then torch.profiler's op table (second run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedllm.engine.step_timing import format_breakdown
+    from pagedllm.step_timing import format_breakdown
 
     engine = llm.llm_engine
     steps_before = engine.num_steps

@@ -48,7 +48,7 @@ def make_step(batch_size: int, context_len: int, is_prefill: bool, block_size: i
                 sampling_row=SamplingRow(params, prompt, output, None),
             )
         )
-    return StepInput(is_prefill=is_prefill, seqs=seqs)
+    return StepInput(seqs=seqs)
 
 
 def naive_size(step: StepInput) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 
@@ -52,6 +52,9 @@ class SchedulerConfig:
     batching: Literal["iteration", "request"] = "iteration"
     # Account every KV slot each step as token / reserved / fragmented / free (core/waste.py).
     track_kv_waste: bool = False
+    # One token budget per step shared by decodes and prompt chunks (a prompt may span steps).
+    # Off: a step is all prefill (whole prompts) or all decode, as in the paper and vLLM v0.2.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -127,9 +130,9 @@ class EngineArgs:
     kv_allocation: str = "paged"
     batching: str = "iteration"
     track_kv_waste: bool = False
+    enable_chunked_prefill: bool = True
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
@@ -59,6 +59,10 @@ class Sequence:
         # Tokens whose K/V are already in the cache. A prefill computes the rest; after a
         # recompute preemption it drops to 0 and prompt + output run again as one prefill.
         self.num_computed_tokens = 0
+        # Chained prefix-cache hashes of this sequence's full blocks, in order (block i's hash names
+        # tokens [0, (i + 1) * block_size)). Extended by the block manager as blocks fill, never
+        # recomputed: the tokens of a full block never change.
+        self.block_hashes: list[int] = []
         self.cumulative_logprob = 0.0
         # Per generated token: {token_id: logprob} with the chosen token and the top k.
         self.output_logprobs: list[dict[int, float]] = []
@@ -82,13 +86,20 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def get_uncomputed_token_ids(self) -> list[int]:
-        """The tokens whose K/V this step must compute (one on a decode step, without copying the rest)."""
-        start = self.num_computed_tokens
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len :]
-        return self.prompt_token_ids[start:] + self.output_token_ids
+    def get_next_token_ids(self, num_tokens: int) -> list[int]:
+        """The next ``num_tokens`` tokens whose K/V are not computed yet (a decode's one token, or a
+        prompt chunk), sliced without concatenating the whole sequence."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + num_tokens
+        prompt = self.prompt_token_ids
+        num_prompt = len(prompt)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - num_prompt]
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
 
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
@@ -113,6 +124,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.output_text = self.output_text
@@ -158,6 +170,8 @@ class SequenceGroup:
         # refusal of its input); the request alone was finished, with ``error`` saying where.
         self.failed = False
         self.num_preemptions = 0
+        # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled.
+        self.num_cached_tokens: int | None = None
         # The true output length, known only in experiments (a trace supplies it): the
         # contiguous-oracle and contiguous-pow2 policies reserve from it (core/policies.py).
         self.oracle_output_len: int | None = None
@@ -185,8 +199,8 @@ class SequenceGroup:
         params = self.sampling_params
         if params.use_beam_search:
             return params.best_of
-        if self.seqs[0].status == SequenceStatus.WAITING and not self.seqs[0].output_token_ids:
-            return params.best_of
+        if len(self.seqs) == 1 and not self.seqs[0].output_token_ids:
+            return params.best_of  # its samples fork when the prompt is done (maybe in a later chunk)
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
@@ -225,5 +239,5 @@ class RequestOutput:
     error: str | None = None
     # error is set and the engine failed on this request (rather than refusing it): a server error.
     failed: bool = False
+    # Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

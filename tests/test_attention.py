@@ -30,7 +30,7 @@ def reference_attention(query, k_cache, v_cache, block_table, positions, num_hea
     return out
 
 
-def _make_case(seed, is_prefill, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64):
+def _make_case(seed, kind, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
@@ -39,17 +39,25 @@ def _make_case(seed, is_prefill, num_heads=4, num_kv_heads=2, head_dim=8, block_
     rng.shuffle(free)  # physical blocks anywhere in the pool
     seqs = []
     for _ in range(rng.randint(1, 4)):
-        cached = rng.choice([0, 0, block_size, 2 * block_size]) if is_prefill else rng.randint(1, 20)
-        new = rng.randint(1, 9) if is_prefill else 1
+        if kind == "mixed":  # decodes and prompt chunks after any cached context, tiles of 8 and more
+            kind_of_seq = rng.choice(["prefill", "decode", "chunk"])
+        else:
+            kind_of_seq = kind
+        if kind_of_seq == "prefill":
+            cached, new = rng.choice([0, 0, block_size, 2 * block_size]), rng.randint(1, 9)
+        elif kind_of_seq == "decode":
+            cached, new = rng.randint(1, 20), 1
+        else:
+            cached, new = rng.randint(1, 30), rng.randint(2, 21)
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block_size))]
         seqs.append((cached, new, table))
     return k_cache, v_cache, seqs
 
 
-def _run(seed, is_prefill, use_cpu_kernel=True):
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
-    k_cache, v_cache, seqs = _make_case(seed, is_prefill)
+def _run(seed, kind, use_cpu_kernel=True, head_dim=8):
+    num_heads, num_kv_heads, block_size = 4, 2, 4
+    k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     total_new = sum(new for _, new, _ in seqs)
     query = torch.randn(total_new, num_heads * head_dim)
@@ -63,7 +71,6 @@ def _run(seed, is_prefill, use_cpu_kernel=True):
         starts.append(starts[-1] + new)
     max_blocks = max(len(t) for _, _, t in seqs)
     meta = AttentionMetadata(
-        is_prefill=is_prefill,
         slot_mapping=torch.tensor(slots),
         query_lens=[new for _, new, _ in seqs],
         query_start_loc=starts,
@@ -87,15 +94,25 @@ def _run(seed, is_prefill, use_cpu_kernel=True):
         torch.testing.assert_close(out[start:end].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_matches_reference():
+@pytest.mark.parametrize("use_cpu_kernel", [False, True])
+def test_prefill_matches_reference(use_cpu_kernel):
     for seed in range(8):
-        _run(seed, is_prefill=True)
+        _run(seed, "prefill", use_cpu_kernel=use_cpu_kernel)
 
 
 @pytest.mark.parametrize("use_cpu_kernel", [False, True])
 def test_decode_matches_reference(use_cpu_kernel):
     for seed in range(8):
-        _run(seed, is_prefill=False, use_cpu_kernel=use_cpu_kernel)
+        _run(seed, "decode", use_cpu_kernel=use_cpu_kernel)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("use_cpu_kernel", [False, True])
+def test_mixed_batch_matches_reference(use_cpu_kernel, head_dim):
+    """Decodes and prompt chunks in one batch: the torch path (gathering) and the C++ kernel
+    (reading blocks in place) against attention computed token by token."""
+    for seed in range(8):
+        _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim)
 
 
 def test_cpu_kernel_builds_here():

@@ -331,7 +331,8 @@ def test_prefix_hit_after_compute_and_cap_keeps_last_token() -> None:
     run_step(bm, kv, a.seqs[0], 42)
 
     c = make_group("c", prompt + [5, 6], first_seq_id=2)
-    status, num_blocks, num_tokens = bm.check_allocation(c)
+    plan = bm.check_allocation(c)
+    status, num_blocks, num_tokens = plan.status, plan.num_blocks, plan.num_tokens
     assert (status, num_blocks, num_tokens) == (AllocStatus.OK, 3, 12 - 8)
     bm.allocate(c)
     seq_c = c.seqs[0]
@@ -398,7 +399,7 @@ def test_tail_blocks_evicted_before_prefix_blocks() -> None:
     two = make_group("y", [2000, 2001], first_seq_id=2)
     bm.allocate(two)  # evicts the least useful cached block: a's last full block, not its first
     a2 = make_group("a2", list(range(13)), first_seq_id=3)
-    assert bm.get_num_prefill_tokens(a2) == 13 - 8
+    assert bm.check_allocation(a2).num_tokens == 13 - 8
     for g in (one, two):
         free_group(bm, g)
     assert bm.all_free()
@@ -446,7 +447,7 @@ def test_recomputed_group_shares_only_common_prefix_blocks() -> None:
     s0.output_token_ids = [10, 11, 12]
     s1.output_token_ids = [20, 21, 22]
     group = SequenceGroup("r", [s0, s1], SamplingParams(n=2), arrival_time=0.0)
-    assert bm.get_num_required_blocks(group) == 1 + 2 + 2  # prompt block 0 shared; blocks 1-2 diverge
+    assert bm.check_allocation(group).num_blocks == 1 + 2 + 2  # prompt block 0 shared; blocks 1-2 diverge
     bm.allocate(group)
     t0, t1 = bm.get_block_table(s0), bm.get_block_table(s1)
     assert t0[0] == t1[0] and t0[1] != t1[1]

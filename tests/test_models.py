@@ -40,7 +40,7 @@ class PagedBatch:
             self.tables[seq].append(self.free.pop())
         return self.tables[seq][pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def step(self, new_tokens: list[int], is_prefill: bool) -> tuple[torch.Tensor, AttentionMetadata]:
+    def step(self, new_tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         positions, slots, starts = [], [], [0]
         cached = list(self.lens)
         for seq, n in enumerate(new_tokens):
@@ -52,8 +52,7 @@ class PagedBatch:
         width = max(len(t) for t in self.tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int64)
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_lens=list(new_tokens),
             query_start_loc=starts,
             context_lens=torch.tensor(self.lens, dtype=torch.int64),
@@ -69,10 +68,10 @@ def run_prefill_and_decode(model, model_config, prompts: list[list[int]], next_t
     caches = make_caches(model_config)
     batch = PagedBatch(len(prompts))
     with torch.inference_mode():
-        positions, meta = batch.step([len(p) for p in prompts], is_prefill=True)
+        positions, meta = batch.step([len(p) for p in prompts])
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
         prefill_logits = model.compute_logits(model(ids, positions, caches, meta))
-        positions, meta = batch.step([1] * len(prompts), is_prefill=False)
+        positions, meta = batch.step([1] * len(prompts))
         decode_logits = model.compute_logits(model(torch.tensor(next_tokens), positions, caches, meta))
     return prefill_logits.split([len(p) for p in prompts]), decode_logits
 

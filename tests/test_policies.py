@@ -19,8 +19,10 @@ from pagedllm.core.block_manager import AllocStatus
 from pagedllm.core.buddy import BuddyAllocator, order_of
 from pagedllm.core.policies import ContiguousBlockManager, reservation_tokens
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.token_sink import ScriptedTokens
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from tests.fake_engine import fake_token
 
 BS = 4
 POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
@@ -98,7 +100,8 @@ def _group(request_id: str, seq_id: int, prompt_len: int, max_tokens: int, oracl
 def test_contiguous_manager_reserves_runs_and_frees_them() -> None:
     manager = ContiguousBlockManager("contiguous-oracle", BS, num_gpu_blocks=16, max_model_len=64)
     group = _group("a", 0, prompt_len=6, max_tokens=50, oracle=7)  # 6 + 7 - 1 = 12 slots = 3 blocks
-    assert manager.check_allocation(group) == (AllocStatus.OK, 3, 6)
+    plan = manager.check_allocation(group)
+    assert (plan.status, plan.num_blocks, plan.num_tokens) == (AllocStatus.OK, 3, 6)
     manager.allocate(group)
     seq = group.seqs[0]
     assert manager.get_run(seq).num_blocks == 3 and manager.get_block_table(seq) == [0, 1]
@@ -106,9 +109,9 @@ def test_contiguous_manager_reserves_runs_and_frees_them() -> None:
     manager.check_invariants()
     # Without an oracle, max_tokens stands in (capped by max_model_len - prompt).
     no_oracle = _group("b", 1, prompt_len=6, max_tokens=50)
-    assert manager.check_allocation(no_oracle)[1] == 14  # ceil((6 + 50 - 1) / 4)
-    assert manager.check_allocation(_group("c", 2, 6, 200))[1] == 16  # 64 slots: capped at the pool
-    assert manager.check_allocation(_group("d", 3, 70, 1))[0] == AllocStatus.NEVER  # 70 slots > the pool
+    assert manager.check_allocation(no_oracle).num_blocks == 14  # ceil((6 + 50 - 1) / 4)
+    assert manager.check_allocation(_group("c", 2, 6, 200)).num_blocks == 16  # 64 slots: capped at the pool
+    assert manager.check_allocation(_group("d", 3, 70, 1)).status == AllocStatus.NEVER  # 70 slots > the pool
     seq.status = SequenceStatus.FINISHED_STOPPED
     manager.free(seq)
     assert manager.all_free()
@@ -139,14 +142,14 @@ class FakeEngine:
         self.scheduler = scheduler
         self.bm = scheduler.block_manager
         self.kv: dict[int, tuple] = {}  # slot -> token prefix
-        self.next_seq_id = 0
+        self.sink = ScriptedTokens(fake_token)
         self.finished: dict[str, SequenceGroup] = {}
         self.max_running = 0
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1, oracle: bool = True) -> None:
-        group = _group(request_id, self.next_seq_id, prompt_len, max_tokens, max_tokens if oracle else None, n)
-        group.metrics.arrival_time = float(len(self.finished) + self.next_seq_id)
-        self.next_seq_id += 1
+        seq_id = self.scheduler.next_seq_id()
+        group = _group(request_id, seq_id, prompt_len, max_tokens, max_tokens if oracle else None, n)
+        group.metrics.arrival_time = float(len(self.finished) + seq_id)
         self.scheduler.add_seq_group(group)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
@@ -160,31 +163,17 @@ class FakeEngine:
         self.max_running = max(self.max_running, len(out.scheduled_seq_groups))
         for group in out.scheduled_seq_groups:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
+                num_new = out.num_scheduled_tokens.get(seq.seq_id, 0)
                 tokens = seq.get_token_ids()
                 for pos in range(seq.num_computed_tokens):
                     assert self.kv[self._slot(seq, pos)] == tuple(tokens[: pos + 1])
-                for pos in range(seq.num_computed_tokens, seq.get_len()):
+                for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                     self.kv[self._slot(seq, pos)] = tuple(tokens[: pos + 1])
-        for group in out.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens = seq.get_len()
-                self.bm.mark_computed(seq)
-            best_of = group.sampling_params.best_of
-            if out.is_prefill and len(group.seqs) < best_of:
-                parent = group.seqs[0]
-                for _ in range(best_of - len(group.seqs)):
-                    child = parent.fork(self.next_seq_id)
-                    self.next_seq_id += 1
-                    group.seqs.append(child)
-                    self.scheduler.fork_seq(parent, child)
-            for index, seq in enumerate(group.get_seqs(SequenceStatus.RUNNING)):
-                seq.append_token((hash(group.request_id) + 7 * index + 3 * seq.get_len()) % 13, 0.0)
-                if seq.get_output_len() >= group.sampling_params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    self.scheduler.free_seq(seq)
+        result = self.scheduler.postprocess(out, self.sink)
+        assert not result.failed, result.failed
+        for group in result.groups_with_tokens:
             if group.is_finished():
                 self.finished[group.request_id] = group
-        self.scheduler.free_finished_seq_groups()
         self.bm.check_invariants()
 
     def run(self) -> dict[str, list[list[int]]]:

@@ -1,10 +1,6 @@
-"""Scheduler policy, driven by a tiny fake engine loop (no model: tokens are a function of position).
-
-The fake worker keeps a simulated KV cache where position p holds the tuple of tokens [0, p];
-after every step each running sequence is read back through its block table. Because the
-"sampled" token depends only on (request, sample index, length), the final outputs must be the
-same whatever the pool size, preemption mode or prefix caching: a strong end-to-end check that
-preemption, swapping, copy-on-write and prefix hits never lose or corrupt state.
+"""Scheduler policy with whole-prompt steps (chunked prefill off, the paper's policy), driven by
+the fake engine of tests/fake_engine.py. The one-budget policy is in test_chunked_scheduler.py;
+the randomized workload here runs both.
 """
 
 from __future__ import annotations
@@ -15,165 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core import GPU, Scheduler, SchedulerOutputs
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-BS = 4
-
-
-class FakeKV:
-    """Simulated device and CPU caches whose slots hold token prefixes."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.bm = scheduler.block_manager
-        self.memory: dict[str, dict[int, list]] = {"gpu": {}, "cpu": {}}
-
-    def _block(self, device: str, block_id: int) -> list:
-        return self.memory[device].setdefault(block_id, [None] * self.bm.block_size)
-
-    def apply(self, out: SchedulerOutputs) -> None:
-        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out)
-        for gpu_id, cpu_id in out.blocks_to_swap_out:
-            self.memory["cpu"][cpu_id] = list(self._block("gpu", gpu_id))
-        for cpu_id, gpu_id in out.blocks_to_swap_in:
-            self.memory["gpu"][gpu_id] = list(self._block("cpu", cpu_id))
-        for src, dst in out.blocks_to_copy:
-            self.memory["gpu"][dst] = list(self._block("gpu", src))
-
-    def write(self, seq: Sequence) -> None:
-        table = self.bm.block_tables[seq.seq_id]
-        tokens = seq.get_token_ids()
-        for pos in range(seq.num_computed_tokens, seq.get_len()):
-            block = table[pos // BS]
-            assert block.device == GPU
-            self._block(GPU, block.block_id)[pos % BS] = tuple(tokens[: pos + 1])
-
-    def check(self, seq: Sequence) -> None:
-        table = self.bm.block_tables[seq.seq_id]
-        tokens = seq.get_token_ids()
-        for pos in range(seq.num_computed_tokens):
-            block = table[pos // BS]
-            assert self._block(block.device, block.block_id)[pos % BS] == tuple(tokens[: pos + 1])
-
-
-def fake_token(group: SequenceGroup, seq: Sequence, length: int) -> int:
-    index = group.seqs.index(seq)
-    return (hash(group.request_id) + 7 * index + 3 * length) % 13
-
-
-class FakeEngine:
-    """Worker + engine in a few lines: run the step, append tokens, fork, finish, free."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.bm = scheduler.block_manager
-        self.kv = FakeKV(scheduler)
-        self.next_seq_id = 0
-        self.finished: dict[str, SequenceGroup] = {}
-        self.ignored: dict[str, SequenceGroup] = {}
-        self.history: list[SchedulerOutputs] = []
-
-    def add(
-        self,
-        request_id: str,
-        prompt: list[int] | int,
-        max_tokens: int = 4,
-        n: int = 1,
-        arrival_time: float | None = None,
-    ) -> SequenceGroup:
-        tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
-        # One sequence per request; the other samples are forked after the prompt step.
-        seq = Sequence(self.next_seq_id, tokens, BS)
-        self.next_seq_id += 1
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0)
-        group = SequenceGroup(request_id, [seq], params, arrival_time=arrival_time)
-        self.scheduler.add_seq_group(group)
-        return group
-
-    def step(self) -> SchedulerOutputs:
-        out = self.scheduler.schedule()
-        self.history.append(out)
-        self.kv.apply(out)
-        for group in out.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                self.kv.check(seq)  # prefix hits and swapped-in blocks hold the right K/V
-                self.kv.write(seq)
-        for group in out.scheduled_seq_groups:
-            running = group.get_seqs(SequenceStatus.RUNNING)
-            for seq in running:
-                seq.num_computed_tokens = seq.get_len()
-                self.bm.mark_computed(seq)
-            best_of = group.sampling_params.best_of
-            if out.is_prefill and len(group.seqs) < best_of:
-                parent = group.seqs[0]
-                for _ in range(best_of - len(group.seqs)):
-                    child = parent.fork(self.next_seq_id)
-                    self.next_seq_id += 1
-                    group.seqs.append(child)
-                    self.scheduler.fork_seq(parent, child)
-                running = group.get_seqs(SequenceStatus.RUNNING)
-            for seq in running:
-                seq.append_token(fake_token(group, seq, seq.get_len()), 0.0)
-                if seq.get_output_len() >= group.sampling_params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    self.scheduler.free_seq(seq)
-            if group.is_finished():
-                self.finished[group.request_id] = group
-        for group in out.ignored_seq_groups:
-            self.ignored[group.request_id] = group
-        self.scheduler.free_finished_seq_groups()
-        self.check_invariants()
-        return out
-
-    def check_invariants(self) -> None:
-        bm = self.bm
-        bm.check_invariants()
-        assert bm.gpu_allocator.num_used <= bm.num_gpu_blocks
-        # The paper's bound: swapped blocks never exceed the device pool (nor the CPU pool).
-        assert bm.cpu_allocator.num_used <= min(bm.num_cpu_blocks, bm.num_gpu_blocks)
-        config = self.scheduler.scheduler_config
-        running_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.scheduler.running)
-        assert running_seqs <= config.max_num_seqs
-        for group in self.scheduler.running:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                self.kv.check(seq)
-
-    def run(self, max_steps: int = 10_000) -> int:
-        steps = 0
-        while self.scheduler.has_unfinished_seqs():
-            self.step()
-            steps += 1
-            assert steps < max_steps, "the scheduler is stuck"
-        assert self.bm.all_free(), "blocks leaked"
-        return steps
-
-
-def make_scheduler(
-    num_gpu_blocks: int = 64,
-    num_cpu_blocks: int = 0,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 256,
-    max_model_len: int = 256,
-    watermark: float = 0.0,
-    preemption_mode: str = "recompute",
-    enable_prefix_caching: bool = True,
-) -> Scheduler:
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        watermark=watermark,
-        preemption_mode=preemption_mode,
-    )
-    cache_config = CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config, num_gpu_blocks, num_cpu_blocks)
-
-
-def outputs_of(engine: FakeEngine) -> dict[str, list[list[int]]]:
-    return {rid: [seq.output_token_ids for seq in g.seqs] for rid, g in sorted(engine.finished.items())}
-
+from pagedllm.core import Scheduler
+from pagedllm.sequence import SequenceGroup, SequenceStatus
+from tests.fake_engine import FakeEngine, make_scheduler, outputs_of
 
 # ----------------------------------------------------------------------------- basic policy
 
@@ -182,14 +22,14 @@ def test_fcfs_prefill_then_decode() -> None:
     engine = FakeEngine(make_scheduler())
     groups = [engine.add(f"r{i}", 5 + i, max_tokens=3, arrival_time=float(i)) for i in range(3)]
     out = engine.step()
-    assert out.is_prefill and out.scheduled_seq_groups == groups
+    assert engine.is_prefill(out) and out.scheduled_seq_groups == groups
     assert out.num_batched_tokens == 5 + 6 + 7
     assert all(g.metrics.first_scheduled_time is not None and g.metrics.time_in_queue >= 0 for g in groups)
     engine.add("late", 4, max_tokens=3, arrival_time=10.0)
     out = engine.step()
-    assert out.is_prefill and [g.request_id for g in out.scheduled_seq_groups] == ["late"]
+    assert engine.is_prefill(out) and [g.request_id for g in out.scheduled_seq_groups] == ["late"]
     out = engine.step()
-    assert not out.is_prefill and out.num_batched_tokens == 4  # one token per running sequence
+    assert not engine.is_prefill(out) and out.num_batched_tokens == 4  # one token per running sequence
     assert [g.request_id for g in out.scheduled_seq_groups] == ["r0", "r1", "r2", "late"]
     engine.run()
     assert all(len(g.seqs[0].output_token_ids) == 3 for g in engine.finished.values())
@@ -281,7 +121,7 @@ def test_recompute_reuses_prefix_cache() -> None:
     recomputed_tokens = []
     while engine.scheduler.has_unfinished_seqs():
         out = engine.step()
-        if out.is_prefill and new in out.scheduled_seq_groups and new.num_preemptions:
+        if engine.is_prefill(out) and new in out.scheduled_seq_groups and new.num_preemptions:
             recomputed_tokens.append((out.num_batched_tokens, new.seqs[0].get_len() - 1))
     assert engine.bm.all_free()
     assert recomputed_tokens
@@ -372,6 +212,7 @@ def test_group_outgrowing_whole_pool_is_finished_not_stuck() -> None:
         ({"max_model_len": 16}, 20, 1, "20 tokens, more than max_model_len=16"),
         ({"num_gpu_blocks": 4}, 20, 1, "needs 5 KV-cache blocks of 4 tokens, but the whole pool has 4"),
         ({"max_num_batched_tokens": 16}, 20, 1, "20 tokens in one prefill step, more than max_num_batched_tokens=16"),
+        ({"max_num_batched_tokens": 2, "enable_chunked_prefill": True}, 4, 3, "decodes 3 sequences per step"),
         ({"max_num_seqs": 2}, 4, 3, "needs 3 sequences"),
     ],
 )
@@ -422,7 +263,7 @@ def test_shared_prefix_is_computed_once() -> None:
     engine.step()
     engine.add("second", system + [3, 4], max_tokens=2)
     out = engine.step()
-    assert out.is_prefill and out.num_batched_tokens == 2  # 16 tokens came from the cache
+    assert engine.is_prefill(out) and out.num_batched_tokens == 2  # 16 tokens came from the cache
     engine.run()
     assert engine.scheduler.get_stats()["prefix_cache_hit_tokens"] == 16
 
@@ -442,9 +283,10 @@ def test_shared_prefix_is_computed_once() -> None:
     mode=st.sampled_from(["recompute", "swap", "auto"]),
     caching=st.booleans(),
     watermark=st.sampled_from([0.0, 0.1]),
+    chunked=st.booleans(),
 )
 def test_random_workloads_finish_with_reference_outputs(
-    requests, num_gpu_blocks, num_cpu_blocks, mode, caching, watermark
+    requests, num_gpu_blocks, num_cpu_blocks, mode, caching, watermark, chunked
 ) -> None:
     def build(scheduler: Scheduler) -> FakeEngine:
         engine = FakeEngine(scheduler)
@@ -462,6 +304,7 @@ def test_random_workloads_finish_with_reference_outputs(
             watermark=watermark,
             preemption_mode=mode,
             enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked,
         )
     )
     engine.run(max_steps=2000)
@@ -476,13 +319,13 @@ def test_random_workloads_finish_with_reference_outputs(
             for seq, ref in zip(group.seqs, expected[rid]):
                 assert ref[: len(seq.output_token_ids)] == seq.output_token_ids
     for out in engine.history:
-        assert out.num_batched_tokens <= 40 or out.is_prefill and len(out.scheduled_seq_groups) == 1
+        oversized_recompute = not chunked and engine.is_prefill(out) and len(out.scheduled_seq_groups) == 1
+        assert out.num_batched_tokens <= 40 or oversized_recompute
 
 
 def test_schedule_is_fast_enough() -> None:
     engine = FakeEngine(make_scheduler(num_gpu_blocks=2000, max_num_seqs=128, max_num_batched_tokens=8192))
-    engine.kv.check = lambda seq: None  # measure the scheduler, not the simulated cache
-    engine.kv.write = lambda seq: None
+    engine.kv = None  # measure the scheduler, not the simulated cache
     for i in range(128):
         engine.add(f"r{i}", 60, max_tokens=16)
     start = time.perf_counter()

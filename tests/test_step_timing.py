@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import assert_no_leaks
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.step_timing import OVERHEAD_PHASES, PHASES, StepTimer, format_breakdown
+from pagedllm.step_timing import OVERHEAD_PHASES, PHASES, StepTimer, format_breakdown
 
 
 def test_timer_is_free_when_off_and_sums_when_on() -> None:

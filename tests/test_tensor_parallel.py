@@ -158,7 +158,7 @@ def test_control_message_sends_block_table_changes_only():
     row = SamplingRow(SamplingParams(), [1, 2, 3], [], None)
 
     def step(tables: dict[int, list[int]]) -> StepInput:
-        return StepInput(False, [SeqStepInput(i, [7], 5, t, row if i else None) for i, t in tables.items()],
+        return StepInput([SeqStepInput(i, [7], 5, t, row if i else None) for i, t in tables.items()],
                          blocks_to_copy=[(1, 2)])
 
     encoder, decoder = StepEncoder(), StepDecoder()

@@ -6,28 +6,33 @@ KV cache layout per layer: ``k_cache`` and ``v_cache`` shaped
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` makes the slot a row index, so the
 "reshape and write into the cache" step is a single ``index_copy_``.
 
-Reads go through the block table every step. On CPU a decode step runs our C++ kernel
-(attention/csrc), which reads each sequence's blocks in place; elsewhere, or when the kernel is
-unavailable, the torch-native path gathers the blocks into a temporary tensor for that step
-only. Nothing contiguous is kept between steps.
+A batch mixes decodes (one query token) and prompt chunks (several query tokens after a
+context already cached); each query token attends causally to every earlier token of its
+sequence and to itself. The step's keys and values are written into the cache first, so a
+chunk reads its own tokens and its earlier context alike, through the block table.
+
+On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: the decode
+kernel for all-decode steps, the chunked kernel for mixed ones. Elsewhere, or when the kernels
+are unavailable, the torch-native path (the reference) gathers the blocks into a temporary
+tensor for that step only. Nothing contiguous is kept between steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import paged_decode_attention
+from pagedllm.attention.cpu_kernels import paged_chunked_attention, paged_decode_attention
 
 
 @dataclass
 class AttentionMetadata:
     """Per-step batch description shared by every layer (built once by the model runner)."""
 
-    is_prefill: bool
     slot_mapping: torch.Tensor  # [T] int64
     query_lens: list[int]  # per sequence: tokens computed this step
     query_start_loc: list[int]  # [B + 1] cumulative query lengths
@@ -37,10 +42,42 @@ class AttentionMetadata:
     max_context_len: int
     # Filled lazily by the first layer that needs it, then reused by all others.
     decode_mask: torch.Tensor | None = None
+    # In a decode_part: its rows in the whole batch.
+    decode_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    # Derived once per step, by the first layer that needs them, then shared by all others.
+
+    @cached_property
+    def is_all_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @cached_property
+    def query_start_loc_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.query_start_loc, dtype=torch.long, device=self.context_lens.device)
+
+    @cached_property
+    def decode_part(self) -> AttentionMetadata | None:
+        """The decode rows of a mixed batch as a batch of their own (None when there are none)."""
+        index = [i for i, n in enumerate(self.query_lens) if n == 1]
+        if not index:
+            return None
+        rows = torch.tensor([self.query_start_loc[i] for i in index], dtype=torch.long,
+                            device=self.context_lens.device)
+        lengths = [self.num_cached_tokens[i] + 1 for i in index]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows],
+            query_lens=[1] * len(index),
+            query_start_loc=list(range(len(index) + 1)),
+            context_lens=self.context_lens[rows.new_tensor(index)],
+            block_tables=self.block_tables[rows.new_tensor(index)],
+            num_cached_tokens=[self.num_cached_tokens[i] for i in index],
+            max_context_len=max(lengths),
+            decode_rows=rows,
+        )
 
 
 def write_to_cache(
@@ -89,43 +126,72 @@ class PagedAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if kv_cache is not None:
             write_to_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        if meta is None or meta.is_prefill or kv_cache is None:
-            out = self._prefill(query, key, value, kv_cache, meta)
-        else:
+        if meta is None or kv_cache is None:
+            out = self._attend_new_tokens(query, key, value, meta)
+        elif meta.is_all_decode:
             out = self._decode(query, kv_cache, meta)
+        else:
+            out = self._attend_mixed(query, key, value, kv_cache, meta)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
-    def _prefill(
+    def _attend_new_tokens(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
+        """Causal attention within each sequence's new tokens, nothing cached (e.g. profiling)."""
+        starts = [0, query.shape[0]] if meta is None else meta.query_start_loc
+        out = torch.empty_like(query)
+        for i in range(len(starts) - 1):
+            out[starts[i] : starts[i + 1]] = self._causal(query, key, value, starts[i], starts[i + 1])
+        return out
+
+    def _causal(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        k = key[start:end].transpose(0, 1).unsqueeze(0)
+        v = value[start:end].transpose(0, 1).unsqueeze(0)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return attn.squeeze(0).transpose(0, 1)
+
+    def _attend_mixed(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
-        meta: AttentionMetadata | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Causal attention per prompt; a prompt with cached prefix blocks also reads those."""
-        if meta is None:  # profiling run: the whole batch is one sequence
-            starts, cached = [0, query.shape[0]], [0]
-        else:
-            starts, cached = meta.query_start_loc, meta.num_cached_tokens
+        """Decodes and prompt chunks in one batch (each chunk after its cached context)."""
+        if self.use_cpu_kernel:
+            out = paged_chunked_attention(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
+                self.scale,
+            )
+            if out is not None:
+                return out
         out = torch.empty_like(query)
-        for i in range(len(starts) - 1):
+        decode = meta.decode_part
+        if decode is not None:
+            out[decode.decode_rows] = self._decode(query[decode.decode_rows], kv_cache, decode)
+        starts, cached = meta.query_start_loc, meta.num_cached_tokens
+        for i, num_new in enumerate(meta.query_lens):
+            if num_new == 1:
+                continue
             start, end = starts[i], starts[i + 1]
-            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if cached[i] == 0:
-                k = key[start:end].transpose(0, 1).unsqueeze(0)
-                v = value[start:end].transpose(0, 1).unsqueeze(0)
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                total = cached[i] + (end - start)
-                table = meta.block_tables[i : i + 1]
-                k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
-                v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
-                # Query j sits at absolute position cached + j and sees keys 0..cached + j.
-                q_pos = torch.arange(cached[i], total, device=query.device).unsqueeze(1)
-                k_pos = torch.arange(total, device=query.device).unsqueeze(0)
-                mask = k_pos <= q_pos
-                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                out[start:end] = self._causal(query, key, value, start, end)
+                continue
+            # The chunk's own keys are in the cache already: read them with the context.
+            total = cached[i] + num_new
+            table = meta.block_tables[i : i + 1]
+            k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
+            v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
+            # Query j sits at absolute position cached + j and sees keys 0..cached + j.
+            q_pos = torch.arange(cached[i], total, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(total, device=query.device).unsqueeze(0)
+            q = query[start:end].transpose(0, 1).unsqueeze(0)
+            mask = k_pos <= q_pos
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start:end] = attn.squeeze(0).transpose(0, 1)
         return out
 

@@ -1,5 +1,6 @@
-"""Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, greedy choice,
-linear layers over packed quantized weights.
+"""Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, paged attention
+over mixed batches (decodes and prompt chunks), greedy choice, linear layers over packed
+quantized weights.
 
 Built once per machine (about a minute; ``scripts/install.sh`` does it at install time), cached
 by torch under ``TORCH_EXTENSIONS_DIR``. If it cannot be built (no compiler, no ninja), the
@@ -22,6 +23,7 @@ _SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
     for name in (
         "paged_attention_cpu.cpp",
+        "chunked_attention_cpu.cpp",
         "greedy_cpu.cpp",
         "quant_linear_cpu.cpp",
         "quant_int8_cpu.cpp",
@@ -92,6 +94,25 @@ def paged_decode_attention(
     if module is None:
         return None
     return module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_chunked_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """[T, Hq, D] causal attention of every query token over its sequence's cached context and
+    itself (the step's K/V already written), or None when the kernel cannot serve this call."""
+    if query.device.type != "cpu":
+        return None
+    module = load_cpu_kernels()
+    if module is None:
+        return None
+    return module.paged_chunked_attention(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

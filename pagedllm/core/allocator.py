@@ -112,54 +112,48 @@ class BlockAllocator:
     # ---------------------------------------------------------------------------- prefix cache
 
     def lookup(
-        self, parent_hash: int | None, parent_content_id: int | None, token_ids: tuple[int, ...]
-    ) -> tuple[PhysicalBlock | None, int]:
-        """The cached block holding exactly this prefix, or None; also returns the chained hash.
+        self, block_hash: int, parent_content_id: int | None, token_ids: tuple[int, ...]
+    ) -> PhysicalBlock | None:
+        """The cached block holding exactly this prefix, or None.
 
-        ``parent_content_id`` is the cache entry of the previous block of the prefix (None for
-        the first block). Does not take a reference: the caller does, with incref.
+        ``block_hash`` is the block's chained hash; ``parent_content_id`` the cache entry of the
+        previous block of the prefix (None for the first block). Does not take a reference: the
+        caller does, with incref.
         """
-        block_hash = self.hash_fn(parent_hash, token_ids)
         block = self._cached.get(block_hash)
         if block is None:
-            return None, block_hash
+            return None
         if block.token_ids != token_ids or block.parent_content_id != parent_content_id:
-            return None, block_hash  # a collision (or a stale chain): a miss, never a wrong hit
-        return block, block_hash
+            return None  # a collision (or a stale chain): a miss, never a wrong hit
+        return block
 
     def promote(
         self,
         block: PhysicalBlock,
-        parent_hash: int | None,
+        block_hash: int,
         parent_content_id: int | None,
         token_ids: tuple[int, ...],
-    ) -> tuple[int | None, int]:
-        """Offer a full, computed block to the cache.
+    ) -> int | None:
+        """Offer a full, computed block to the cache under its chained hash.
 
-        Returns (content_id, block_hash): the cache entry that now stands for this prefix (this
-        block's new entry, or an existing block with the same content computed by another
-        sequence), or None when a *different* prefix already owns the hash (a collision): the
-        block then stays uncached, and so must every later block of the sequence.
+        Returns the content_id of the cache entry that now stands for this prefix (this block's
+        new entry, or an existing block with the same content computed by another sequence), or
+        None when a *different* prefix already owns the hash (a collision): the block then stays
+        uncached, and so must every later block of the sequence.
         """
-        block_hash = self.hash_fn(parent_hash, token_ids)
         existing = self._cached.get(block_hash)
         if existing is not None:
             if existing.token_ids == token_ids and existing.parent_content_id == parent_content_id:
-                return existing.content_id, block_hash  # a duplicate: same content, first one wins
+                return existing.content_id  # a duplicate: same content, first one wins
             self.num_hash_collisions += 1
-            return None, block_hash
+            return None
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_content_id = parent_content_id
         block.content_id = self._next_content_id
         self._next_content_id += 1
         self._cached[block_hash] = block
-        return block.content_id, block_hash
-
-    def touch(self, block: PhysicalBlock) -> None:
-        """Mark an evictable block as recently used (moves it to the back of the LRU queue)."""
-        if block.block_id in self._evictable:
-            self._evictable.move_to_end(block.block_id)
+        return block.content_id
 
     def _uncache(self, block: PhysicalBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
@@ -168,15 +162,6 @@ class BlockAllocator:
 
     def get_num_cached_blocks(self) -> int:
         return len(self._cached)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached block (e.g. after weights change). Returns how many."""
-        count = len(self._evictable)
-        while self._evictable:
-            _, block = self._evictable.popitem(last=False)
-            self._uncache(block)
-            self._free.append(block)
-        return count
 
     # ------------------------------------------------------------------------------ invariants
 

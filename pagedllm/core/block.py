@@ -57,14 +57,14 @@ class BlockTable:
 
     ``num_promoted`` counts leading blocks already considered for the prefix cache, so that
     ``mark_computed`` is O(new blocks) per step rather than O(sequence length).
-    ``chain_hash`` / ``chain_content_id`` describe the last promoted block: the parent of the
-    next block to promote. ``chain_broken`` stops promotion after a block could not be cached
-    (a hash collision), because every later block's identity depends on it.
+    ``chain_content_id`` is the cache entry of the last promoted block: the parent of the next
+    block to promote (the blocks' hashes are kept on the sequence). ``chain_broken`` stops
+    promotion after a block could not be cached (a hash collision), because every later
+    block's identity depends on it.
     """
 
     blocks: list[PhysicalBlock] = field(default_factory=list)
     num_promoted: int = 0
-    chain_hash: int | None = None
     chain_content_id: int | None = None
     chain_broken: bool = False
 
@@ -88,7 +88,6 @@ class BlockTable:
         return BlockTable(
             blocks=list(self.blocks),
             num_promoted=self.num_promoted,
-            chain_hash=self.chain_hash,
             chain_content_id=self.chain_content_id,
             chain_broken=self.chain_broken,
         )

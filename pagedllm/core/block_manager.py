@@ -31,22 +31,22 @@ class AllocStatus(enum.Enum):
 
 
 @dataclass(slots=True)
-class _AllocationPlan:
-    """How the waiting sequences of a group would be laid out, computed without side effects.
+class AllocationPlan:
+    """How a group's waiting sequences would be laid out, computed without side effects.
 
-    ``entries[s][i]`` is a cached PhysicalBlock (a prefix-cache hit) or an int: the index of a
-    fresh block, shared by every sequence whose prefix up to that block is the same.
+    ``check_allocation`` returns it and ``allocate`` carries it out, so an admission is planned
+    once. ``entries[s][i]`` is a cached PhysicalBlock (a prefix-cache hit) or an int: the index
+    of a fresh block, shared by every sequence whose prefix up to that block is the same.
     """
 
+    status: AllocStatus
+    num_blocks: int  # distinct blocks the group's waiting sequences need (cache hits included)
+    num_tokens: int  # tokens their prefill computes: all minus prefix-cache hits
     seqs: list[Sequence]
     entries: list[list[PhysicalBlock | int]]
     num_hit_blocks: list[int]
     num_new_blocks: int
     hit_blocks: dict[int, PhysicalBlock]  # distinct hits by block id
-
-    @property
-    def num_distinct_blocks(self) -> int:
-        return self.num_new_blocks + len(self.hit_blocks)
 
     @property
     def num_blocks_from_free_pool(self) -> int:
@@ -97,8 +97,22 @@ class BlockSpaceManager:
     def _allocator(self, block: PhysicalBlock) -> BlockAllocator:
         return self.gpu_allocator if block.device == GPU else self.cpu_allocator
 
-    def _plan(self, seq_group: SequenceGroup) -> _AllocationPlan:
-        """Lay out the group's waiting sequences: cache hits first, then shared fresh blocks.
+    def _block_hashes(self, seq: Sequence) -> list[int]:
+        """The chained hashes of the sequence's full blocks, extending ``seq.block_hashes`` with
+        the blocks filled since the last call (each full block is hashed once in its life)."""
+        hashes = seq.block_hashes
+        num_full = seq.get_len() // self.block_size
+        hash_fn = self.gpu_allocator.hash_fn
+        while len(hashes) < num_full:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_fn(parent, self._block_tokens(seq, len(hashes))))
+        return hashes
+
+    def check_allocation(self, seq_group: SequenceGroup) -> AllocationPlan:
+        """Plan the group's waiting sequences: cache hits first, then shared fresh blocks.
+
+        The plan's ``status`` is OK if they fit now (keeping the watermark), LATER if they will
+        fit once others free blocks, NEVER if they need more blocks than the whole pool.
 
         A fresh request's sequences are identical, so they share every block (the last, partial
         one included; copy-on-write separates them at the first divergent write). After a
@@ -112,19 +126,19 @@ class BlockSpaceManager:
         hit_blocks: dict[int, PhysicalBlock] = {}
         fresh_by_key: dict[tuple, int] = {}
         num_new = 0
+        num_tokens = 0
         for seq in seqs:
-            token_ids = seq.get_token_ids()
-            num_blocks = _cdiv(len(token_ids), bs)
+            seq_len = seq.get_len()
+            num_blocks = _cdiv(seq_len, bs)
             seq_entries: list[PhysicalBlock | int] = []
             prev_key: tuple | None = None
             if self.enable_prefix_caching:
+                hashes = self._block_hashes(seq)
                 # At least the last token is always computed: its logits are needed to sample.
-                max_hits = (len(token_ids) - 1) // bs
-                parent_hash: int | None = None
+                max_hits = (seq_len - 1) // bs
                 parent_content_id: int | None = None
                 for i in range(max_hits):
-                    tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-                    block, parent_hash = self.gpu_allocator.lookup(parent_hash, parent_content_id, tokens)
+                    block = self.gpu_allocator.lookup(hashes[i], parent_content_id, self._block_tokens(seq, i))
                     if block is None:
                         break
                     parent_content_id = block.content_id
@@ -132,8 +146,9 @@ class BlockSpaceManager:
                     hit_blocks[block.block_id] = block
                     prev_key = ("hit", block.block_id)
             num_hit_blocks.append(len(seq_entries))
+            num_tokens += seq_len - len(seq_entries) * bs
             for i in range(len(seq_entries), num_blocks):
-                key = (prev_key, tuple(token_ids[i * bs : (i + 1) * bs]))
+                key = (prev_key, self._block_tokens(seq, i))
                 index = fresh_by_key.get(key)
                 if index is None:
                     index = fresh_by_key[key] = num_new
@@ -141,7 +156,10 @@ class BlockSpaceManager:
                 seq_entries.append(index)
                 prev_key = ("new", index)
             entries.append(seq_entries)
-        return _AllocationPlan(seqs, entries, num_hit_blocks, num_new, hit_blocks)
+        plan = AllocationPlan(AllocStatus.OK, num_new + len(hit_blocks), num_tokens, seqs, entries, num_hit_blocks,
+                              num_new, hit_blocks)
+        plan.status = self._status(plan.num_blocks_from_free_pool, plan.num_blocks)
+        return plan
 
     def _status(self, num_required: int, num_distinct: int) -> AllocStatus:
         if num_distinct > self.num_gpu_blocks:
@@ -155,31 +173,15 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def check_allocation(self, seq_group: SequenceGroup) -> tuple[AllocStatus, int, int]:
-        """In one pass: (can_allocate status, distinct blocks needed, tokens the prefill computes)."""
-        plan = self._plan(seq_group)
-        status = self._status(plan.num_blocks_from_free_pool, plan.num_distinct_blocks)
-        bs = self.block_size
-        num_tokens = sum(seq.get_len() - hits * bs for seq, hits in zip(plan.seqs, plan.num_hit_blocks))
-        return status, plan.num_distinct_blocks, num_tokens
-
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """OK if the group's waiting sequences fit now (keeping the watermark), LATER if they
-        will fit once others free blocks, NEVER if they need more blocks than the whole pool."""
-        return self.check_allocation(seq_group)[0]
+        return self.check_allocation(seq_group).status
 
-    def get_num_required_blocks(self, seq_group: SequenceGroup) -> int:
-        """Distinct blocks the group's waiting sequences need in all (cache hits included)."""
-        return self.check_allocation(seq_group)[1]
-
-    def get_num_prefill_tokens(self, seq_group: SequenceGroup) -> int:
-        """Tokens the group would compute if allocated now: all minus prefix-cache hits."""
-        return self.check_allocation(seq_group)[2]
-
-    def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give every waiting sequence of the group its blocks; sets num_computed_tokens to the
+    def allocate(self, seq_group: SequenceGroup, plan: AllocationPlan | None = None) -> None:
+        """Give every waiting sequence of the group its blocks, as ``plan`` (from check_allocation,
+        with nothing allocated or freed since) lays them out; sets num_computed_tokens to the
         number of tokens whose K/V came from the prefix cache (block-aligned, < its length)."""
-        plan = self._plan(seq_group)
+        if plan is None:
+            plan = self.check_allocation(seq_group)
         if plan.num_blocks_from_free_pool > self.gpu_allocator.get_num_free_blocks():
             raise RuntimeError(f"allocate({seq_group.request_id}) without room: check can_allocate first")
         for seq in plan.seqs:
@@ -204,10 +206,8 @@ class BlockSpaceManager:
                 taken[entry] = True
                 table.append(block)
             if num_hits:
-                last_hit = table[num_hits - 1]
                 table.num_promoted = num_hits
-                table.chain_hash = last_hit.block_hash
-                table.chain_content_id = last_hit.content_id
+                table.chain_content_id = table[num_hits - 1].content_id
             self.block_tables[seq.seq_id] = table
             seq.num_computed_tokens = num_hits * self.block_size
             if self.enable_prefix_caching:
@@ -310,9 +310,9 @@ class BlockSpaceManager:
     def mark_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly full, computed blocks to the prefix cache.
 
-        The engine calls this after each step, once ``seq.num_computed_tokens`` covers what the
-        step wrote. Only from then on can another request hit these blocks: a block must never
-        be a hit before its K/V exist.
+        Called after each step, once ``seq.num_computed_tokens`` covers what the step wrote
+        (a prompt chunk's full blocks are offered as soon as they are computed). Only from then
+        on can another request hit these blocks: a block must never be a hit before its K/V exist.
         """
         if not self.enable_prefix_caching:
             return
@@ -320,30 +320,25 @@ class BlockSpaceManager:
         if table is None or table.chain_broken:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if table.num_promoted >= num_full:
+            return
+        hashes = self._block_hashes(seq)
         for i in range(table.num_promoted, num_full):
             block = table[i]
             if block.device != GPU:
                 return
             if block.is_cached:
                 # A prefix hit, or promoted already through a sequence sharing it.
-                content_id, block_hash = block.content_id, block.block_hash
+                content_id = block.content_id
             else:
-                tokens = self._block_tokens(seq, i)
-                content_id, block_hash = self.gpu_allocator.promote(
-                    block, table.chain_hash, table.chain_content_id, tokens
+                content_id = self.gpu_allocator.promote(
+                    block, hashes[i], table.chain_content_id, self._block_tokens(seq, i)
                 )
                 if content_id is None:
                     table.chain_broken = True
                     return
-            table.chain_hash = block_hash
             table.chain_content_id = content_id
             table.num_promoted = i + 1
-
-    mark_blocks_as_computed = mark_computed
-
-    def reset_prefix_cache(self) -> int:
-        """Drop all unreferenced cached blocks; returns how many were dropped."""
-        return self.gpu_allocator.reset_prefix_cache()
 
     # ---------------------------------------------------------------------------------- swapping
 
@@ -418,6 +413,37 @@ class BlockSpaceManager:
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
+
+    # --------------------------------------------------------- accounting (core/waste.py, Figure 2)
+
+    def num_used_blocks(self) -> int:
+        """Device blocks some sequence holds."""
+        return self.gpu_allocator.num_used
+
+    def slot_usage(self, seqs: list[Sequence]) -> list[tuple[int, int, int]]:
+        """Per sequence that may hold empty slots: (seq_id, tokens now, slots allocated).
+
+        Only the last block of a paged sequence can be partly empty; a last block shared by
+        several sequences is listed once, for the first of them.
+        """
+        usage: list[tuple[int, int, int]] = []
+        seen_last_blocks: set[int] = set()
+        for seq in seqs:
+            table = self.block_tables.get(seq.seq_id)
+            if not table or table[-1].device != GPU or table[-1].block_id in seen_last_blocks:
+                continue
+            seen_last_blocks.add(table[-1].block_id)
+            slots = len(table) * self.block_size
+            usage.append((seq.seq_id, min(seq.get_len(), slots), slots))
+        return usage
+
+    def num_spare_blocks(self) -> int:
+        """Blocks held for sequences that do not exist yet: none, paging allocates on demand."""
+        return 0
+
+    def num_unusable_free_blocks(self, seq_group: SequenceGroup) -> int:
+        """Free blocks ``seq_group`` could not use (external fragmentation): none, any block serves."""
+        return 0
 
     def get_stats(self) -> dict:
         """Counters for logs and benchmarks.

@@ -60,6 +60,16 @@ def reservation_tokens(policy: str, prompt_len: int, output_len: int, max_model_
 
 
 @dataclass(slots=True)
+class ContiguousPlan:
+    """An admission planned by check_allocation and carried out by allocate."""
+
+    status: AllocStatus
+    num_blocks: int  # blocks of all runs
+    num_tokens: int  # tokens the prefill computes (no prefix cache: all of them)
+    sizes: list[int]  # run sizes: one per waiting sequence, then the spares for unforked samples
+
+
+@dataclass(slots=True)
 class Run:
     """One sequence's contiguous reservation: blocks [start, start + num_blocks)."""
 
@@ -131,27 +141,27 @@ class ContiguousBlockManager:
         finally:
             self.buddy.restore(saved)
 
-    def check_allocation(self, seq_group: SequenceGroup) -> tuple[AllocStatus, int, int]:
+    def check_allocation(self, seq_group: SequenceGroup) -> ContiguousPlan:
+        """The runs the group's waiting sequences (and its unforked samples) need, and whether
+        they fit now (OK), once others end (LATER) or never (NEVER)."""
         sizes = self._group_runs(seq_group)
         total = sum(sizes)
         num_tokens = sum(seq.get_len() for seq in seq_group.get_seqs(SequenceStatus.WAITING))
         if total > self.num_gpu_blocks or max(sizes, default=0) > self._max_run_blocks():
-            return AllocStatus.NEVER, total, num_tokens
-        if self._fits(sizes):
-            return AllocStatus.OK, total, num_tokens
-        # Runs that do not fit even in an empty pool (buddy alignment) would wait forever.
-        empty = BuddyAllocator(self.num_gpu_blocks)
-        if not all(empty.allocate(size) is not None for size in sizes):
-            return AllocStatus.NEVER, total, num_tokens
-        return AllocStatus.LATER, total, num_tokens
+            status = AllocStatus.NEVER
+        elif self._fits(sizes):
+            status = AllocStatus.OK
+        else:
+            # Runs that do not fit even in an empty pool (buddy alignment) would wait forever.
+            empty = BuddyAllocator(self.num_gpu_blocks)
+            fits_empty = all(empty.allocate(size) is not None for size in sizes)
+            status = AllocStatus.LATER if fits_empty else AllocStatus.NEVER
+        return ContiguousPlan(status, total, num_tokens, sizes)
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        return self.check_allocation(seq_group)[0]
+        return self.check_allocation(seq_group).status
 
-    def get_num_required_blocks(self, seq_group: SequenceGroup) -> int:
-        return self.check_allocation(seq_group)[1]
-
-    def head_run_blocks(self, seq_group: SequenceGroup) -> int:
+    def _head_run_blocks(self, seq_group: SequenceGroup) -> int:
         """The largest single run the group needs (what external fragmentation is judged against)."""
         return max(self._group_runs(seq_group), default=0)
 
@@ -161,9 +171,10 @@ class ContiguousBlockManager:
             raise RuntimeError(f"no contiguous run of {size} blocks: check can_allocate first")
         return Run(start, size)
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup, plan: ContiguousPlan | None = None) -> None:
+        """Reserve the runs ``plan`` (from check_allocation, nothing changed since) lists."""
         seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        sizes = self._group_runs(seq_group)
+        sizes = (plan or self.check_allocation(seq_group)).sizes
         rid = seq_group.request_id
         for seq, size in zip(seqs, sizes):
             if seq.seq_id in self.runs:
@@ -263,11 +274,6 @@ class ContiguousBlockManager:
     def mark_computed(self, seq: Sequence) -> None:
         """No prefix cache in a contiguous system."""
 
-    mark_blocks_as_computed = mark_computed
-
-    def reset_prefix_cache(self) -> int:
-        return 0
-
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         return False  # the scheduler then preempts by recomputation
 
@@ -280,8 +286,28 @@ class ContiguousBlockManager:
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         raise NotImplementedError("contiguous policies preempt by recomputation only")
 
+    # --------------------------------------------------------- accounting (core/waste.py, Figure 2)
+
     def num_used_blocks(self) -> int:
         return self.num_gpu_blocks - self.buddy.num_free
+
+    def slot_usage(self, seqs: list[Sequence]) -> list[tuple[int, int, int]]:
+        """Per sequence holding a run: (seq_id, tokens now, slots reserved)."""
+        usage: list[tuple[int, int, int]] = []
+        for seq in seqs:
+            run = self.runs.get(seq.seq_id)
+            if run is not None:
+                slots = run.num_blocks * self.block_size
+                usage.append((seq.seq_id, min(seq.get_len(), slots), slots))
+        return usage
+
+    def num_spare_blocks(self) -> int:
+        """Blocks of runs reserved for samples not forked yet (or kept for a request's later forks)."""
+        return sum(run.num_blocks for runs in self.spare_runs.values() for run in runs)
+
+    def num_unusable_free_blocks(self, seq_group: SequenceGroup) -> int:
+        """Free blocks lying in free runs too small for the group's largest run (external fragmentation)."""
+        return self.buddy.num_free_units_in_chunks_below(self._head_run_blocks(seq_group))
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.buddy.num_free

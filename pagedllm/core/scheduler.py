@@ -1,26 +1,39 @@
-"""The scheduler: which sequence groups run this step, and which blocks move.
+"""The scheduler: which sequences run this step, how many tokens each, and which blocks move.
 
-Policy of the paper and vLLM v0.2: iteration-level (continuous) batching, first come first
-served, a request's sequences gang-scheduled as one group. A step is either all prefill or all
-decode:
+First come first served, iteration-level (continuous) batching, a request's sequences
+gang-scheduled as one group. Two policies:
 
-1. If nothing is swapped out, admit waiting groups in arrival order while the budgets allow
-   (sequences, batched tokens, free blocks above the watermark). If any was admitted, the step
-   is a prefill step of exactly those groups.
-2. Otherwise it is a decode step of the running groups, oldest first. When a group cannot get a
+**One token budget per step** (``enable_chunked_prefill``, the default; vLLM V1, SGLang):
+
+1. Running groups that decode get their token first, oldest first. When a group cannot get a
    slot for its next token, the newest running group is preempted, all or nothing: by
    recomputation (its blocks are freed; it goes back to the front of the waiting queue and
-   later re-runs prompt + generated tokens as one prefill) or by swapping (its blocks move to
-   the CPU pool).
-3. If nobody was preempted in this step, swapped groups come back, oldest first, before any new
-   request is admitted (step 1 waits for the swapped queue to drain).
+   later re-runs prompt + generated tokens, in chunks) or by swapping (its blocks move to the
+   CPU pool).
+2. If nobody was preempted, swapped groups come back, oldest first.
+3. The rest of the budget goes to prompts, first come first served: groups whose prompt is
+   partly computed (they keep their blocks), then waiting groups, admitted while blocks and
+   the budget allow. A prompt longer than what is left of the budget gets a chunk and
+   continues next step; prefix-cache hits skip their tokens. The sequences of a group finish
+   their prompts in the same step (so that n samples fork, and beams start, together).
 
-A group that can never run (too long for the model, the token budget or the whole pool) is
-finished with an error message instead of blocking the queue.
+**All prefill or all decode** (the paper and vLLM v0.2; kept for the paper's figures): if any
+waiting group can be admitted (nothing swapped out, whole prompts within the budget), the step
+is a prefill step of exactly those; otherwise it is a decode step of the running groups, with
+preemption and swapping in as above.
+
+A group that can never run (too long for the model, the budget or the whole pool) is finished
+with an error message instead of blocking the queue.
+
+After the forward pass, ``postprocess`` does the bookkeeping for every caller (the engine, the
+simulator, the tests' fake engines): advance computed tokens, offer computed blocks to the
+prefix cache, fork parallel samples when a prompt's last chunk is done, append the sampled
+tokens (through a TokenSink), free finished sequences.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -28,7 +41,9 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
+from pagedllm.core.interface import AllocationPlanLike, BlockManager
 from pagedllm.core.policies import ContiguousBlockManager
+from pagedllm.core.token_sink import TokenSink
 from pagedllm.core.waste import WasteTracker
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -42,7 +57,9 @@ class SchedulerOutputs:
     """
 
     scheduled_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    is_prefill: bool = False
+    # Tokens each scheduled sequence computes this step, by seq_id: 1 for a decode, a prompt
+    # chunk's length otherwise. A running sequence absent from it computes nothing this step.
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
     num_batched_tokens: int = 0
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
@@ -63,8 +80,33 @@ class SchedulerOutputs:
         )
 
 
+@dataclass
+class StepResult:
+    """What ``postprocess`` did: groups that got tokens, and groups whose processing raised."""
+
+    groups_with_tokens: list[SequenceGroup] = field(default_factory=list)
+    failed: list[tuple[SequenceGroup, BaseException]] = field(default_factory=list)
+
+
 def _arrival(group: SequenceGroup) -> float:
     return group.metrics.arrival_time
+
+
+def _is_decoding(group: SequenceGroup) -> bool:
+    """Every running sequence has exactly one token to compute (its last sampled one)."""
+    return all(seq.get_num_uncomputed_tokens() == 1 for seq in group.get_seqs(SequenceStatus.RUNNING))
+
+
+def num_samples(group: SequenceGroup, seq: Sequence, num_tokens: int) -> int:
+    """Sampler rows ``seq`` produces when it computes ``num_tokens`` more tokens this step: none
+    while its prompt is unfinished, best_of on the prompt's last chunk of a sampled request (the
+    extra samples become forks sharing its blocks), one otherwise."""
+    if seq.num_computed_tokens + num_tokens < seq.get_len():
+        return 0
+    params = group.sampling_params
+    if not seq.output_token_ids and not params.use_beam_search:
+        return params.best_of
+    return 1
 
 
 class Scheduler:
@@ -79,7 +121,7 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.block_manager: BlockSpaceManager | ContiguousBlockManager
+        self.block_manager: BlockManager
         if scheduler_config.kv_allocation == "paged":
             self.block_manager = BlockSpaceManager(
                 block_size=cache_config.block_size,
@@ -97,13 +139,20 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
+        # Sequence ids for new requests and for forks (samples, beams): one counter, no clashes.
+        self._seq_ids = itertools.count()
         # Cumulative statistics.
         self.num_preempted_by_recompute = 0
         self.num_preempted_by_swap = 0
         self.num_ignored = 0
         self.num_oversized_recomputes = 0
+        self.num_prompt_tokens = 0  # prompt tokens computed (prefix-cache hits excluded)
+        self.num_generation_tokens = 0  # tokens sampled
 
     # ----------------------------------------------------------------------------------- queues
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         self.waiting.append(seq_group)
@@ -144,7 +193,7 @@ class Scheduler:
         for group in self.running:
             for seq in group.get_seqs():
                 if seq.is_finished():
-                    self.block_manager.free(seq)  # no-op when the engine already freed it
+                    self.block_manager.free(seq)  # no-op when already freed
             if not group.is_finished():
                 kept.append(group)
         self.running = kept
@@ -155,97 +204,70 @@ class Scheduler:
         now = time.time()
         self.free_finished_seq_groups()
         outputs = SchedulerOutputs()
-        # Request-level batching (FasterTransformer): a new batch starts only when the last one is done.
-        may_admit = self.scheduler_config.batching == "iteration" or not self.running
-        if not self.swapped and may_admit:
-            self._schedule_prefills(outputs, now)
-        if not outputs.scheduled_seq_groups:
-            self._schedule_decodes(outputs)
+        if self.scheduler_config.enable_chunked_prefill:
+            preempted = self._schedule_running(outputs)
+            if not preempted:
+                self._swap_in(outputs)
+            self._schedule_prompts(outputs, now, preempted)
+        else:
+            if not self.swapped and self._may_admit():
+                self._admit_whole_prompts(outputs, now)
+            if not outputs.scheduled_seq_groups:
+                preempted = self._schedule_running(outputs)
+                if not preempted:
+                    self._swap_in(outputs)
         if self.waste_tracker is not None:
             seqs = [seq for group in self.running for seq in group.get_seqs(SequenceStatus.RUNNING)]
             self.waste_tracker.observe(self.block_manager, seqs, self.waiting[0] if self.waiting else None)
         return outputs
 
-    def _schedule_prefills(self, outputs: SchedulerOutputs, now: float) -> None:
-        config = self.scheduler_config
-        num_seqs = sum(group.max_num_running_seqs() for group in self.running)
-        while self.waiting:
-            group = self.waiting[0]
-            if group.is_finished():  # e.g. every sequence finished by the engine while waiting
-                self.waiting.popleft()
-                continue
-            is_recompute = any(seq.output_token_ids for seq in group.get_seqs())
-            status, num_blocks, num_tokens = self.block_manager.check_allocation(group)
-            error = self._never_fits(group, is_recompute, status, num_blocks, num_tokens)
-            if error is not None:
-                self._finish_with_error(self.waiting.popleft(), SequenceStatus.FINISHED_IGNORED, error, outputs)
-                continue
-            if status != AllocStatus.OK:
-                break  # head-of-line: FCFS never lets a later request overtake
-            group_seqs = group.max_num_running_seqs()
-            if num_seqs + group_seqs > config.max_num_seqs:
-                break
-            if outputs.num_batched_tokens + num_tokens > config.max_num_batched_tokens:
-                if not (is_recompute and not outputs.scheduled_seq_groups):
-                    break
-                # A preempted group that grew past the token budget may still run, alone:
-                # dropping its generated tokens would be worse than one oversized step.
-                self.num_oversized_recomputes += 1
-            self.waiting.popleft()
-            self.block_manager.allocate(group)
-            for seq in group.get_seqs(SequenceStatus.WAITING):
-                seq.status = SequenceStatus.RUNNING
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
-                group.metrics.time_in_queue = now - group.metrics.arrival_time
-            self.running.append(group)
+    def _may_admit(self) -> bool:
+        # Request-level batching (FasterTransformer): a new batch starts only when the last one is done.
+        return self.scheduler_config.batching == "iteration" or not self.running
+
+    def _budget_left(self, outputs: SchedulerOutputs) -> int:
+        return self.scheduler_config.max_num_batched_tokens - outputs.num_batched_tokens
+
+    def _add_tokens(self, group: SequenceGroup, chunks: list[tuple[Sequence, int]], outputs: SchedulerOutputs) -> None:
+        scheduled = False
+        for seq, num_tokens in chunks:
+            if num_tokens > 0:
+                outputs.num_scheduled_tokens[seq.seq_id] = num_tokens
+                outputs.num_batched_tokens += num_tokens
+                scheduled = True
+        if scheduled:
             outputs.scheduled_seq_groups.append(group)
-            outputs.num_batched_tokens += num_tokens
-            num_seqs += group_seqs
-        if outputs.scheduled_seq_groups:
-            outputs.is_prefill = True
 
-    def _never_fits(
-        self, group: SequenceGroup, is_recompute: bool, status: AllocStatus, num_blocks: int, num_tokens: int
-    ) -> str | None:
-        """Why a waiting group can never be scheduled, or None."""
-        config = self.scheduler_config
-        prompt_len = len(group.prompt_token_ids)
-        if not is_recompute and prompt_len > config.max_model_len:
-            return f"prompt has {prompt_len} tokens, more than max_model_len={config.max_model_len}"
-        max_seqs = group.max_num_running_seqs()
-        if max_seqs > config.max_num_seqs:
-            return f"request needs {max_seqs} sequences (n/best_of), more than max_num_seqs={config.max_num_seqs}"
-        if status == AllocStatus.NEVER:
-            if is_recompute:
-                return self._pool_exhausted_message(group)
-            return (
-                f"prompt of {prompt_len} tokens needs {num_blocks} KV-cache blocks of "
-                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_gpu_blocks}"
-            )
-        if not is_recompute and num_tokens > config.max_num_batched_tokens:
-            return (
-                f"prompt needs {num_tokens} tokens in one prefill step, more than "
-                f"max_num_batched_tokens={config.max_num_batched_tokens}"
-            )
-        return None
+    def _schedule_decode(self, group: SequenceGroup, outputs: SchedulerOutputs) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            outputs.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+        self._add_tokens(group, [(seq, 1) for seq in group.get_seqs(SequenceStatus.RUNNING)], outputs)
 
-    def _schedule_decodes(self, outputs: SchedulerOutputs) -> None:
+    def _decode_fits(self, group: SequenceGroup, outputs: SchedulerOutputs) -> bool:
+        if not self.scheduler_config.enable_chunked_prefill:
+            return True  # a decode step has one token per running sequence, within max_num_seqs
+        return group.num_seqs(SequenceStatus.RUNNING) <= self._budget_left(outputs)
+
+    def _schedule_running(self, outputs: SchedulerOutputs) -> bool:
+        """Decode tokens for running groups, oldest first, preempting the newest when blocks run
+        out. Groups still in their prompt keep their place (and blocks) for a chunk later.
+        Returns whether anything was preempted."""
         # Oldest first, so that preemption always takes the newest group.
         queue = deque(sorted(self.running, key=_arrival))
         running: deque[SequenceGroup] = deque()
-        preempted: list[SequenceGroup] = []
+        preempted = False
         while queue:
             group = queue.popleft()
+            if not _is_decoding(group) or not self._decode_fits(group, outputs):
+                running.append(group)  # a prompt chunk below, or a decode next step
+                continue
             while not self.block_manager.can_append_slots(group):
+                preempted = True
                 if queue:
-                    victim = queue.pop()
-                    self._preempt(victim, outputs)
-                    preempted.append(victim)
+                    self._preempt(queue.pop(), outputs)
                 elif running:
                     # Older groups hold the memory: this group is the newest, so it yields.
                     self._preempt(group, outputs)
-                    preempted.append(group)
                     break
                 else:
                     # Alone with the whole pool and still no room: it can never grow.
@@ -254,19 +276,10 @@ class Scheduler:
                     )
                     break
             else:
-                self._append_slots(group, outputs)
+                self._schedule_decode(group, outputs)
                 running.append(group)
         self.running = running
-
-        if not preempted:
-            self._swap_in(outputs)
-        outputs.scheduled_seq_groups = list(self.running)
-        outputs.num_batched_tokens = sum(
-            seq.get_len() - seq.num_computed_tokens
-            for group in self.running
-            for seq in group.get_seqs(SequenceStatus.RUNNING)
-        )
-        outputs.is_prefill = False
+        return preempted
 
     def _swap_in(self, outputs: SchedulerOutputs) -> None:
         num_seqs = sum(group.max_num_running_seqs() for group in self.running)
@@ -291,22 +304,151 @@ class Scheduler:
             outputs.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-            self._append_slots(group, outputs)
-            self.running.append(group)
+            if _is_decoding(group) and self._decode_fits(group, outputs):
+                self._schedule_decode(group, outputs)
+            self.running.append(group)  # a group swapped out mid-prompt continues with a chunk
             num_seqs += group_seqs
 
-    def _append_slots(self, group: SequenceGroup, outputs: SchedulerOutputs) -> None:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            outputs.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+    # ---------------------------------------------------------------------------------- prompts
+
+    def _schedule_prompts(self, outputs: SchedulerOutputs, now: float, preempted: bool) -> None:
+        """Prompt chunks in arrival order: groups already admitted, then waiting groups (none in a
+        step that had to preempt: memory is short)."""
+        for group in sorted((g for g in self.running if not _is_decoding(g)), key=_arrival):
+            if self._budget_left(outputs) <= 0:
+                return
+            self._add_tokens(group, self._prompt_chunks(group, outputs), outputs)
+        if preempted or self.swapped or not self._may_admit():
+            return
+        # Request-level batching admits the whole next batch at once; its prompts are then
+        # computed in chunks over the following steps.
+        batch_at_once = self.scheduler_config.batching == "request"
+        num_seqs = sum(group.max_num_running_seqs() for group in self.running)
+        while self.waiting and (batch_at_once or self._budget_left(outputs) > 0):
+            group = self.waiting[0]
+            plan = self._plan_admission(group, outputs)
+            if plan is None:
+                continue
+            group_seqs = group.max_num_running_seqs()  # before admission: best_of of a fresh request
+            if plan.status != AllocStatus.OK or num_seqs + group_seqs > self.scheduler_config.max_num_seqs:
+                break  # head-of-line: FCFS never lets a later request overtake
+            self._admit(group, plan, now)
+            num_seqs += group_seqs
+            self._add_tokens(group, self._prompt_chunks(group, outputs), outputs)
+
+    def _prompt_chunks(self, group: SequenceGroup, outputs: SchedulerOutputs) -> list[tuple[Sequence, int]]:
+        """Tokens each running sequence of the group computes this step, within the budget left.
+
+        All of what is left when it fits; otherwise as much as fits with every sequence stopping
+        short of its last token, so that the group's sequences finish their prompts (and sample
+        their first tokens) in the same step.
+        """
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        left = self._budget_left(outputs)
+        remaining = [seq.get_num_uncomputed_tokens() for seq in seqs]
+        if sum(remaining) <= left:
+            return list(zip(seqs, remaining))
+        chunks = []
+        for seq, num_left in zip(seqs, remaining):
+            num_tokens = max(0, min(num_left - 1, left))
+            chunks.append((seq, num_tokens))
+            left -= num_tokens
+        return chunks
+
+    def _plan_admission(self, group: SequenceGroup, outputs: SchedulerOutputs) -> AllocationPlanLike | None:
+        """The allocation plan of the head of the waiting queue; None when it left the queue
+        instead (finished while waiting, or refused with an error because it can never run)."""
+        if group.is_finished():  # e.g. every sequence finished by the engine while waiting
+            self.waiting.popleft()
+            return None
+        is_recompute = any(seq.output_token_ids for seq in group.get_seqs())
+        plan = self.block_manager.check_allocation(group)
+        error = self._never_fits(group, is_recompute, plan.status, plan.num_blocks, plan.num_tokens)
+        if error is not None:
+            self._finish_with_error(self.waiting.popleft(), SequenceStatus.FINISHED_IGNORED, error, outputs)
+            return None
+        return plan
+
+    def _admit(self, group: SequenceGroup, plan: AllocationPlanLike, now: float) -> None:
+        """Move the head of the waiting queue to the running queue with the blocks ``plan`` lays out."""
+        self.waiting.popleft()
+        self.block_manager.allocate(group, plan)
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            seq.status = SequenceStatus.RUNNING
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = now
+            group.metrics.time_in_queue = now - group.metrics.arrival_time
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = group.seqs[0].num_computed_tokens
+        self.running.append(group)
+
+    def _admit_whole_prompts(self, outputs: SchedulerOutputs, now: float) -> None:
+        """A prefill step (chunking off): whole prompts of waiting groups while the budget allows."""
+        config = self.scheduler_config
+        num_seqs = sum(group.max_num_running_seqs() for group in self.running)
+        while self.waiting:
+            group = self.waiting[0]
+            plan = self._plan_admission(group, outputs)
+            if plan is None:
+                continue
+            group_seqs = group.max_num_running_seqs()  # before admission: best_of of a fresh request
+            if plan.status != AllocStatus.OK or num_seqs + group_seqs > config.max_num_seqs:
+                break
+            if outputs.num_batched_tokens + plan.num_tokens > config.max_num_batched_tokens:
+                is_recompute = any(seq.output_token_ids for seq in group.get_seqs())
+                if not (is_recompute and not outputs.scheduled_seq_groups):
+                    break
+                # A preempted group that grew past the token budget may still run, alone:
+                # dropping its generated tokens would be worse than one oversized step.
+                self.num_oversized_recomputes += 1
+            self._admit(group, plan, now)
+            num_seqs += group_seqs
+            chunks = [(seq, seq.get_num_uncomputed_tokens()) for seq in group.get_seqs(SequenceStatus.RUNNING)]
+            self._add_tokens(group, chunks, outputs)
+
+    def _never_fits(
+        self, group: SequenceGroup, is_recompute: bool, status: AllocStatus, num_blocks: int, num_tokens: int
+    ) -> str | None:
+        """Why a waiting group can never be scheduled, or None."""
+        config = self.scheduler_config
+        prompt_len = len(group.prompt_token_ids)
+        if not is_recompute and prompt_len > config.max_model_len:
+            return f"prompt has {prompt_len} tokens, more than max_model_len={config.max_model_len}"
+        max_seqs = group.max_num_running_seqs()
+        if max_seqs > config.max_num_seqs:
+            return f"request needs {max_seqs} sequences (n/best_of), more than max_num_seqs={config.max_num_seqs}"
+        if config.enable_chunked_prefill and max_seqs > config.max_num_batched_tokens:
+            return (
+                f"request decodes {max_seqs} sequences per step, more than "
+                f"max_num_batched_tokens={config.max_num_batched_tokens}"
+            )
+        if status == AllocStatus.NEVER:
+            if is_recompute:
+                return self._pool_exhausted_message(group)
+            return (
+                f"prompt of {prompt_len} tokens needs {num_blocks} KV-cache blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_gpu_blocks}"
+            )
+        if not config.enable_chunked_prefill and not is_recompute and num_tokens > config.max_num_batched_tokens:
+            return (
+                f"prompt needs {num_tokens} tokens in one prefill step, more than "
+                f"max_num_batched_tokens={config.max_num_batched_tokens} (enable chunked prefill to split it)"
+            )
+        return None
 
     # ------------------------------------------------------------------------------- preemption
 
     def _preempt(self, group: SequenceGroup, outputs: SchedulerOutputs) -> None:
-        mode = self.scheduler_config.preemption_mode
+        config = self.scheduler_config
+        mode = config.preemption_mode
         if mode == "auto":
             # Recomputing n diverged samples costs n prefills; swapping keeps their shared blocks.
             mode = "swap" if len(group.get_unfinished_seqs()) > 1 else "recompute"
-        if mode == "recompute" and self._recompute_tokens(group) > self.scheduler_config.max_num_batched_tokens:
+        if (
+            mode == "recompute"
+            and not config.enable_chunked_prefill
+            and self._recompute_tokens(group) > config.max_num_batched_tokens
+        ):
             mode = "swap"  # too big to re-run as one prefill: keep its cache if the CPU pool can
         if mode == "swap" and not self.block_manager.can_swap_out(group):
             mode = "recompute"  # the CPU pool is full: recomputation always works
@@ -349,6 +491,72 @@ class Scheduler:
             f"the KV cache is exhausted: {len(lengths)} sequence(s) of up to {max(lengths, default=0)} tokens "
             f"need more than the whole pool of {bm.num_gpu_blocks} blocks of {bm.block_size} tokens"
         )
+
+    # ------------------------------------------------------------------------------ postprocess
+
+    def postprocess(self, outputs: SchedulerOutputs, sink: TokenSink) -> StepResult:
+        """The bookkeeping after a forward pass of ``outputs`` (every caller runs this one).
+
+        Per scheduled group: advance each sequence's computed tokens by what it computed, offer
+        newly full blocks to the prefix cache, and for the sequences that sampled (their whole
+        prompt is now computed), fork the extra samples of a prompt's first token, hand each
+        sampler row to ``sink`` (beam-search groups all at once), and free what finished.
+
+        Sampler rows are numbered in the order of ``outputs.scheduled_seq_groups`` and of each
+        group's running sequences, ``num_samples`` rows per sequence: the order the batch was
+        built in. An exception while processing one group is recorded in the result and the
+        other groups carry on; the caller finishes the failed group.
+        """
+        result = StepResult()
+        row = 0
+        for group in outputs.scheduled_seq_groups:
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            tokens = [outputs.num_scheduled_tokens.get(seq.seq_id, 0) for seq in running]
+            rows = [num_samples(group, seq, n) if n else 0 for seq, n in zip(running, tokens)]
+            first_row = row
+            row += sum(rows)  # counted before anything can fail, so later groups keep their rows
+            try:
+                if self._postprocess_group(group, running, tokens, rows, first_row, sink):
+                    result.groups_with_tokens.append(group)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                result.failed.append((group, exc))
+        self.free_finished_seq_groups()
+        return result
+
+    def _postprocess_group(
+        self, group: SequenceGroup, running: list[Sequence], tokens: list[int], rows: list[int], row: int,
+        sink: TokenSink,
+    ) -> bool:
+        sampled: list[tuple[Sequence, int]] = []
+        for seq, num_tokens, num_rows in zip(running, tokens, rows):
+            if not num_tokens:
+                continue
+            if not seq.output_token_ids:
+                self.num_prompt_tokens += num_tokens
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.mark_computed(seq)
+            if num_rows:
+                sampled.append((seq, num_rows))
+        if not sampled:
+            return False  # a prompt chunk that did not reach the end of the prompt
+        if group.sampling_params.use_beam_search:
+            beams = [seq for seq, _ in sampled]
+            self.num_generation_tokens += sink.step_beams(group, beams, list(range(row, row + len(beams))))
+            return True
+        for seq, num_rows in sampled:
+            targets = [seq]
+            for _ in range(num_rows - 1):
+                child = seq.fork(self.next_seq_id())
+                self.fork_seq(seq, child)  # shares every block; copy-on-write at the first divergent write
+                group.seqs.append(child)  # the group owns it at once: a failure below frees it too
+                targets.append(child)
+            for target in targets:
+                sink.append_token(group, target, row)
+                row += 1
+                self.num_generation_tokens += 1
+                if target.is_finished():
+                    self.block_manager.free(target)
+        return True
 
     # ------------------------------------------------------------------------------- statistics
 

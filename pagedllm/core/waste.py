@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_manager import BlockSpaceManager
-from pagedllm.core.policies import ContiguousBlockManager
+from pagedllm.core.interface import BlockManager
 from pagedllm.sequence import Sequence, SequenceGroup
 
 CATEGORIES = ("token", "reserved", "internal", "external", "free")
@@ -60,36 +59,13 @@ class StepUsage:
     external: int
 
 
-def measure_step(block_manager, seqs: list[Sequence], head: SequenceGroup | None) -> StepUsage:
-    """The pool's slots at this moment for either block manager."""
+def measure_step(block_manager: BlockManager, seqs: list[Sequence], head: SequenceGroup | None) -> StepUsage:
+    """The pool's slots at this moment, for any block manager."""
     bs = block_manager.block_size
     total = block_manager.num_gpu_blocks * bs
-    per_seq: list[tuple[int, int, int]] = []
-    if isinstance(block_manager, ContiguousBlockManager):
-        used = block_manager.num_used_blocks() * bs
-        for seq in seqs:
-            if block_manager.has_blocks(seq):
-                slots = block_manager.get_run(seq).num_blocks * bs
-                per_seq.append((seq.seq_id, min(seq.get_len(), slots), slots))
-        spare = sum(run.num_blocks for runs in block_manager.spare_runs.values() for run in runs) * bs
-        external = 0
-        if head is not None:
-            need = block_manager.head_run_blocks(head)
-            external = block_manager.buddy.num_free_units_in_chunks_below(need) * bs
-        return StepUsage(total, used, per_seq, spare, external)
-    if isinstance(block_manager, BlockSpaceManager):
-        used = block_manager.gpu_allocator.num_used * bs
-        seen_last_blocks: set[int] = set()
-        for seq in seqs:
-            table = block_manager.block_tables.get(seq.seq_id)
-            if not table or table[-1].device != "gpu" or table[-1].block_id in seen_last_blocks:
-                continue
-            # Only the last block of a paged sequence can be partly empty.
-            seen_last_blocks.add(table[-1].block_id)
-            slots = len(table) * bs
-            per_seq.append((seq.seq_id, min(seq.get_len(), slots), slots))
-        return StepUsage(total, used, per_seq, 0, 0)
-    raise TypeError(f"unknown block manager {type(block_manager).__name__}")
+    used = block_manager.num_used_blocks() * bs
+    external = block_manager.num_unusable_free_blocks(head) * bs if head is not None else 0
+    return StepUsage(total, used, block_manager.slot_usage(seqs), block_manager.num_spare_blocks() * bs, external)
 
 
 class WasteTracker:
@@ -102,7 +78,9 @@ class WasteTracker:
         self._seqs: dict[int, _SeqRecord] = {}
         self._last_weighted: tuple[StepUsage, float] | None = None
 
-    def observe(self, block_manager, seqs: list[Sequence], head: SequenceGroup | None, weight: float = 1.0) -> None:
+    def observe(
+        self, block_manager: BlockManager, seqs: list[Sequence], head: SequenceGroup | None, weight: float = 1.0
+    ) -> None:
         """Record the pool as ``seqs`` (the running sequences) and the waiting ``head`` see it now."""
         usage = measure_step(block_manager, seqs, head)
         self._add(usage, weight)

@@ -1,8 +1,10 @@
 """The per-step control message rank 0 sends every worker, and its wire format.
 
 Workers only compute (they never sample), so the message carries what the forward pass needs and
-no more: per sequence the tokens computed this step, the start position, the change to its block
-table since the last step and how many logit rows to produce; plus the block moves. Prompts,
+no more: per sequence the tokens computed this step (their count is the chunk length: one for a
+decode, a prompt chunk's length otherwise), the start position, the change to its block table
+since the last step and how many logit rows to produce (none for a chunk mid-prompt); plus the
+block moves. Prompts,
 outputs, sampling settings and random generators stay on rank 0. It is pickled and broadcast
 over the gloo control group: one collective of a fixed-size frame when it fits, a second one for
 the rest when it does not.
@@ -59,7 +61,7 @@ class StepEncoder:
             num_samples = seq.num_samples if seq.sampling_row is not None else 0
             seqs.append((seq.seq_id, seq.token_ids, seq.start_pos, keep, table[keep:], num_samples))
         self.sent_tables = tables
-        payload = (step.is_prefill, seqs, step.blocks_to_swap_in, step.blocks_to_swap_out, step.blocks_to_copy)
+        payload = (seqs, step.blocks_to_swap_in, step.blocks_to_swap_out, step.blocks_to_copy)
         return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -73,7 +75,7 @@ class StepDecoder:
         payload: Any = pickle.loads(data)
         if payload is None:
             return None
-        is_prefill, wire_seqs, swap_in, swap_out, copy = payload
+        wire_seqs, swap_in, swap_out, copy = payload
         previous, tables = self.tables, {}
         seqs = []
         for seq_id, token_ids, start_pos, keep, appended, num_samples in wire_seqs:
@@ -91,7 +93,6 @@ class StepDecoder:
             )
         self.tables = tables
         return StepInput(
-            is_prefill=is_prefill,
             seqs=seqs,
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,

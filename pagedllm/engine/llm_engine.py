@@ -1,8 +1,9 @@
-"""The engine loop: add requests, step (schedule -> execute -> process outputs), abort.
+"""The engine loop: add requests, step (schedule -> execute -> postprocess), abort.
 
-The scheduler decides which sequences run and which blocks move; the worker executes; this
-module turns sampled tokens into sequences' state: appends tokens, forks parallel samples,
-detokenizes, checks stops, frees finished sequences, and builds RequestOutputs.
+The scheduler decides which sequences run, how many tokens each computes and which blocks
+move; the worker executes; the scheduler's ``postprocess`` does the step's bookkeeping (computed
+tokens, prefix cache, forks, freeing) and hands each sampled token to this module's sink, which
+detokenizes and checks stops (or runs beam search). The engine builds the RequestOutputs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Any
 import torch
 
 from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
-from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
+from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
 from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
-from pagedllm.engine.step_timing import StepTimer
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.sampling import SamplingRow
@@ -32,10 +32,14 @@ from pagedllm.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedllm.step_timing import StepTimer
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
 from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
+
+# The default step token budget with chunked prefill.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 512
 
 
 class LLMEngine:
@@ -87,18 +91,12 @@ class LLMEngine:
             pool_blocks = 1 << (pool_blocks.bit_length() - 1)
         self.pool_blocks = pool_blocks
         self.max_seq_len = min(model_config.max_model_len, pool_blocks * cache_config.block_size)
-        self._seq_counter = itertools.count()
         self.beam_searcher = BeamSearcher(
-            self.scheduler, tokenizer, self.eos_token_id, self.max_seq_len, lambda: next(self._seq_counter)
+            self.scheduler, tokenizer, self.eos_token_id, self.max_seq_len, self.scheduler.next_seq_id
         )
         self._request_counter = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
-        # What the engine is doing for the group being processed, for a failure's message.
-        self._stage: str | None = None  # set before each step of a group's processing
-        self._rows_per_group: list[int] = []  # sampler rows of each scheduled group, this step
         self._generators: dict[str, torch.Generator] = {}
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.num_steps = 0
         # Per-phase step timing for --profile; the runner times its own phases when in this process.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -121,7 +119,13 @@ class LLMEngine:
         if args.tokenizer:
             model_config.tokenizer_path = args.tokenizer
         tokenizer = load_tokenizer(model_config)
-        max_num_batched_tokens = args.max_num_batched_tokens or max(model_config.max_model_len, 8192)
+        max_num_batched_tokens = args.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # Chunked: a step's budget bounds how long running streams wait for a prompt (on a CPU a
+            # few hundred tokens take a fraction of a second). Unchunked: whole prompts must fit.
+            max_num_batched_tokens = (
+                DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill else max(model_config.max_model_len, 8192)
+            )
         cache_config = CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -137,6 +141,7 @@ class LLMEngine:
             kv_allocation=args.kv_allocation,
             batching=args.batching,
             track_kv_waste=args.track_kv_waste,
+            enable_chunked_prefill=args.enable_chunked_prefill,
         )
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
@@ -170,7 +175,7 @@ class LLMEngine:
             token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
         )
-        seq = Sequence(next(self._seq_counter), token_ids, self.cache_config.block_size)
+        seq = Sequence(self.scheduler.next_seq_id(), token_ids, self.cache_config.block_size)
         return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text)
 
     def enqueue(self, group: SequenceGroup) -> None:
@@ -201,7 +206,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of every request that ran or ended in it.
+        """Run one iteration; return the outputs of every request that got tokens or ended in it.
 
         An exception in the work of one request (building its sampling row, sampling it, beam
         scoring, detokenizing, stop checks, building its output) finishes that request alone with
@@ -211,9 +216,9 @@ class LLMEngine:
         timer = self.step_timer
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
-        failed: list[RequestOutput] = []
+        outputs: list[RequestOutput] = []
         with timer.phase("prepare_inputs"):
-            step_input = self._build_step_input(sched, failed)
+            step_input = self._build_step_input(sched, outputs)
         if self._runner_timed:  # the worker and runner time their own phases
             sampler_output = self.worker.execute(step_input)
         else:
@@ -221,138 +226,69 @@ class LLMEngine:
                 sampler_output = self.worker.execute(step_input)
         self.num_steps += 1
         with timer.phase("process_outputs"):
-            outputs = failed + self._process_outputs(sched, step_input, sampler_output)
+            sink = _SamplerTokens(self, sampler_output)
+            result = self.scheduler.postprocess(sched, sink)
+            now = time.time()
+            for group in result.groups_with_tokens:
+                metrics = group.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                if group.is_finished():
+                    metrics.finished_time = now
+                try:
+                    outputs.append(self._make_output(group))
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                    outputs.append(self._fail_group(group, "building its output", exc))
+                    continue
+                if group.is_finished():
+                    self._forget(group)
+            for group, exc in result.failed:
+                outputs.append(self._fail_group(group, sink.failed_stages.get(group.request_id), exc))
             for group in sched.ignored_seq_groups:
                 outputs.append(self._make_output(group))
                 self._forget(group)
-            self.scheduler.free_finished_seq_groups()
         return outputs
-
-    def _num_rows(self, group: SequenceGroup, seq: Sequence, is_prefill: bool) -> int:
-        """Sampler rows of one running sequence this step: best_of on the prompt step of a sampled
-        group (the extra samples become forks sharing its blocks), else one."""
-        params = group.sampling_params
-        is_first = is_prefill and not seq.output_token_ids and not params.use_beam_search
-        return params.best_of if is_first else 1
 
     def _build_step_input(self, sched: SchedulerOutputs, failed: list[RequestOutput]) -> StepInput:
         seqs: list[SeqStepInput] = []
         block_manager = self.scheduler.block_manager
         scheduled: list[SequenceGroup] = []
-        self._rows_per_group = []
         for group in sched.scheduled_seq_groups:
             params = group.sampling_params
             generator = self._generators.get(group.request_id)
-            running = group.get_seqs(SequenceStatus.RUNNING)
+            group_seqs: list[SeqStepInput] = []
             try:
-                num_rows = [self._num_rows(group, seq, sched.is_prefill) for seq in running]
-                group_seqs = [
-                    SeqStepInput(
-                        seq_id=seq.seq_id,
-                        token_ids=seq.get_uncomputed_token_ids(),
-                        start_pos=seq.num_computed_tokens,
-                        block_table=block_manager.get_block_table(seq),
-                        sampling_row=SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator),
-                        num_samples=num_samples,
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    num_tokens = sched.num_scheduled_tokens.get(seq.seq_id, 0)
+                    if not num_tokens:
+                        continue
+                    rows = num_samples(group, seq, num_tokens)
+                    row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator) if rows else None
+                    group_seqs.append(
+                        SeqStepInput(
+                            seq_id=seq.seq_id,
+                            token_ids=seq.get_next_token_ids(num_tokens),
+                            start_pos=seq.num_computed_tokens,
+                            block_table=block_manager.get_block_table(seq),
+                            sampling_row=row,
+                            num_samples=max(rows, 1),
+                        )
                     )
-                    for seq, num_samples in zip(running, num_rows)
-                ]
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 failed.append(self._fail_group(group, "preparing its step", exc))
                 continue
             seqs.extend(group_seqs)
             scheduled.append(group)
-            self._rows_per_group.append(sum(num_rows))
         # A failed group leaves the batch; blocks it freed may still appear in this step's copies
         # and swaps, which is harmless: nothing allocates them before the step runs.
         sched.scheduled_seq_groups = scheduled
         return StepInput(
-            is_prefill=sched.is_prefill,
             seqs=seqs,
             blocks_to_swap_in=sched.blocks_to_swap_in,
             blocks_to_swap_out=sched.blocks_to_swap_out,
             blocks_to_copy=sched.blocks_to_copy,
         )
-
-    def _process_outputs(self, sched: SchedulerOutputs, step_input: StepInput, sampler_output) -> list[RequestOutput]:
-        now = time.time()
-        outputs: list[RequestOutput] = []
-        failed_rows: dict[int, BaseException] = getattr(sampler_output, "failed_rows", None) or {}
-        row = 0
-        for group, num_rows in zip(sched.scheduled_seq_groups, self._rows_per_group, strict=True):
-            running = group.get_seqs(SequenceStatus.RUNNING)
-            # Rows as counted when the batch was built, so a failure cannot shift the next group's.
-            first_row = row
-            row += num_rows
-            self._stage = "sampling"
-            try:
-                for index in range(first_row, row):
-                    if index in failed_rows:
-                        raise failed_rows[index]
-                self._process_group(group, running, sched.is_prefill, sampler_output, first_row, now)
-                self._stage = "building its output"
-                output = self._make_output(group)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                outputs.append(self._fail_group(group, self._stage, exc))
-                continue
-            outputs.append(output)
-            if group.is_finished():
-                self._forget(group)
-        return outputs
-
-    def _process_group(
-        self, group: SequenceGroup, running: list[Sequence], is_prefill: bool, sampler_output, row: int, now: float
-    ) -> None:
-        """Append the sampled tokens of one group (forks, beam step, detokenize, stops)."""
-        if group.metrics.first_scheduled_time is None:
-            group.metrics.first_scheduled_time = now
-            group.metrics.time_in_queue = now - group.metrics.arrival_time
-        block_manager = self.scheduler.block_manager
-        params = group.sampling_params
-        beam_rows: list[int] = []
-        self._stage = "processing its output"
-        for seq in running:
-            was_prompt = not seq.output_token_ids
-            num_samples = self._num_rows(group, seq, is_prefill)
-            if was_prompt:
-                self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
-            seq.num_computed_tokens = seq.get_len()
-            block_manager.mark_computed(seq)
-            samples = list(range(row, row + num_samples))
-            row += num_samples
-            if params.use_beam_search:
-                beam_rows.extend(samples)  # the beams advance together, below
-                continue
-            children = [seq]
-            for _ in samples[1:]:
-                child = seq.fork(next(self._seq_counter))
-                self.scheduler.fork_seq(seq, child)
-                group.seqs.append(child)
-                children.append(child)
-            for target, index in zip(children, samples):
-                self._append_token(group, target, sampler_output, index)
-        if beam_rows:
-            self._stage = "scoring beams"
-            logprobs = sampler_output.full_logprobs[beam_rows]
-            self.num_generation_tokens += self.beam_searcher.step(group, running, logprobs)
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        group.metrics.last_token_time = now
-        if group.is_finished():
-            group.metrics.finished_time = now
-
-    def _append_token(self, group: SequenceGroup, seq: Sequence, sampler_output, index: int) -> None:
-        params = group.sampling_params
-        top = sampler_output.top_logprobs[index] if params.logprobs is not None else None
-        seq.append_token(sampler_output.token_ids[index], sampler_output.logprobs[index], top)
-        self.num_generation_tokens += 1
-        self._stage = "detokenizing"
-        new_text = detokenize_incrementally(self.tokenizer, seq, params)
-        self._stage = "checking stop conditions"
-        check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
-        self._stage = "processing its output"
-        if seq.is_finished():
-            self.scheduler.free_seq(seq)
 
     def _fail_group(self, group: SequenceGroup, stage: str | None, exc: BaseException) -> RequestOutput:
         """Finish a request whose own processing raised: free every block it holds, report an error.
@@ -415,9 +351,18 @@ class LLMEngine:
             metrics=group.metrics,
             error=group.error,
             failed=group.failed,
+            num_cached_tokens=group.num_cached_tokens or 0,
         )
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.scheduler.num_prompt_tokens
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.scheduler.num_generation_tokens
 
     def get_stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.get_stats())
@@ -438,3 +383,45 @@ class LLMEngine:
         shutdown = getattr(self.worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+class _SamplerTokens:
+    """The engine's TokenSink: one step's sampler output turned into tokens, text and stops."""
+
+    def __init__(self, engine: LLMEngine, sampler_output: Any) -> None:
+        self.engine = engine
+        self.output = sampler_output
+        self.failed_rows: dict[int, BaseException] = getattr(sampler_output, "failed_rows", None) or {}
+        self.stage = "sampling"
+        # What was being done for a request when its processing raised, for the error message.
+        self.failed_stages: dict[str, str] = {}
+
+    def _check_rows(self, rows: list[int]) -> None:
+        self.stage = "sampling"
+        for row in rows:
+            if row in self.failed_rows:
+                raise self.failed_rows[row]
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, row: int) -> None:
+        try:
+            self._check_rows([row])
+            self.stage = "processing its output"
+            output, params, engine = self.output, group.sampling_params, self.engine
+            top = output.top_logprobs[row] if params.logprobs is not None else None
+            seq.append_token(output.token_ids[row], output.logprobs[row], top)
+            self.stage = "detokenizing"
+            new_text = detokenize_incrementally(engine.tokenizer, seq, params)
+            self.stage = "checking stop conditions"
+            check_stop(seq, params, len(new_text), engine.eos_token_id, engine.max_seq_len)
+        except Exception:
+            self.failed_stages[group.request_id] = self.stage
+            raise
+
+    def step_beams(self, group: SequenceGroup, beams: list[Sequence], rows: list[int]) -> int:
+        try:
+            self._check_rows(rows)
+            self.stage = "scoring beams"
+            return self.engine.beam_searcher.step(group, beams, self.output.full_logprobs[rows])
+        except Exception:
+            self.failed_stages[group.request_id] = self.stage
+            raise

@@ -31,7 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
     group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")
     group.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="Most tokens in one step.")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="Token budget of one step (default: 512 with chunked prefill, "
+                       "else max(max_model_len, 8192)).")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="Share each step's token budget between decodes and prompt chunks (off: a step is all "
+                       "prefill or all decode, as in the paper).")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
     group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
@@ -73,6 +78,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         seed=args.seed,
         device=args.device,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
         kv_allocation=args.kv_allocation,
         batching=args.batching,

@@ -62,6 +62,7 @@ class LLM:
         kv_allocation: str = "paged",
         batching: str = "iteration",
         track_kv_waste: bool = False,
+        enable_chunked_prefill: bool = True,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -88,6 +89,7 @@ class LLM:
             kv_allocation=kv_allocation,
             batching=batching,
             track_kv_waste=track_kv_waste,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 

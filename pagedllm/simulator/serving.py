@@ -2,10 +2,11 @@
 
 Each iteration does what LLMEngine.step does, minus the model: requests whose Poisson arrival
 time has passed are queued, ``Scheduler.schedule()`` decides the step (any policy, sharing,
-preemption), the cost model turns the step's contents into seconds, the clock advances, and
-every scheduled sequence gets one token (parallel samples are forked after the prompt step,
-exactly as the engine forks them). A request ends when its sequences reach the trace's output
-length. When nothing can run, the clock jumps to the next arrival.
+preemption, chunked prompts), the cost model turns the step's contents into seconds, the clock
+advances, and ``Scheduler.postprocess`` does the engine's bookkeeping, every sequence that
+sampled getting one token (parallel samples fork when the prompt is done, exactly as in the
+engine). A request ends when its sequences reach the trace's output length. When nothing can
+run, the clock jumps to the next arrival.
 
 Results are labelled ``simulated``. Normalized latency = mean over requests of (end-to-end
 latency / output length), the paper's metric.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
+from pagedllm.core.token_sink import ScriptedTokens
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.simulator.cost_model import CostModel, StepFeatures
@@ -59,6 +61,8 @@ class SimConfig:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = False
     track_kv_waste: bool = True
+    # Off by default: the simulator reproduces the paper's figures, made with whole-prompt steps.
+    enable_chunked_prefill: bool = False
     max_steps: int = 2_000_000
 
 
@@ -85,17 +89,18 @@ class SimResult:
 
 
 def step_features(out: SchedulerOutputs, block_size: int) -> StepFeatures:
+    """The cost model's view of a scheduled step (call it before ``postprocess`` advances it)."""
     f = StepFeatures()
     for group in out.scheduled_seq_groups:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            new = seq.get_len() - seq.num_computed_tokens
-            if out.is_prefill:
+            new = out.num_scheduled_tokens.get(seq.seq_id, 0)
+            if new == 1 and seq.output_token_ids:
+                f.decode_seqs += 1
+                f.kv_tokens_read += seq.num_computed_tokens + 1
+            elif new:
                 f.prefill_tokens += new
                 # Each new token attends to the cached ones and to the new ones before it.
                 f.prefill_attn_pairs += new * seq.num_computed_tokens + new * (new + 1) // 2
-            else:
-                f.decode_seqs += 1
-                f.kv_tokens_read += seq.get_len()
     moved = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
     f.swap_blocks = moved
     f.swap_tokens = moved * block_size
@@ -112,16 +117,31 @@ class _Request:
         self.finish_time: float | None = None
 
 
-def fork_parallel_samples(scheduler: Scheduler, group: SequenceGroup, next_seq_id: int) -> int:
-    """After the prompt step, fork the group's first sequence up to best_of samples sharing its
-    blocks (as the engine does); returns the next free sequence id."""
-    parent = group.seqs[0]
-    while len(group.seqs) < group.sampling_params.best_of:
-        child = parent.fork(next_seq_id)
-        next_seq_id += 1
-        group.seqs.append(child)
-        scheduler.fork_seq(parent, child)
-    return next_seq_id
+def sample_index_token(group: SequenceGroup, seq: Sequence) -> int:
+    """A simulated token: the sample's index in its request (outputs differ per sample)."""
+    return group.seqs.index(seq)
+
+
+def make_scheduler(config: SimConfig, kv_allocation: str, batching: str) -> Scheduler:
+    """The real scheduler with the simulation's pool and budgets."""
+    budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        budget = max(budget, config.max_model_len)  # whole prompts must fit one step
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=config.max_model_len,
+            preemption_mode=config.preemption_mode,
+            kv_allocation=kv_allocation,
+            batching=batching,
+            track_kv_waste=config.track_kv_waste,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        ),
+        CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching),
+        config.num_gpu_blocks,
+        config.num_cpu_blocks,
+    )
 
 
 def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimConfig) -> SimResult:
@@ -129,27 +149,14 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
     if config.policy not in POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}: use one of {', '.join(POLICIES)}")
     kv_allocation, batching = POLICIES[config.policy]
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
-            max_model_len=config.max_model_len,
-            preemption_mode=config.preemption_mode,
-            kv_allocation=kv_allocation,
-            batching=batching,
-            track_kv_waste=config.track_kv_waste,
-        ),
-        CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching),
-        config.num_gpu_blocks,
-        config.num_cpu_blocks,
-    )
+    scheduler = make_scheduler(config, kv_allocation, batching)
+    sink = ScriptedTokens(sample_index_token)
     bs = config.block_size
     max_len = min(config.max_model_len, config.num_gpu_blocks * bs)
     pending = sorted(requests, key=lambda r: r.arrival_time)
     live: dict[str, _Request] = {}
     done: list[_Request] = []
     next_arrival = 0
-    next_seq_id = 0
     clock = 0.0
     num_steps = 0
     weighted_batch = 0.0
@@ -160,9 +167,9 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
             trace = pending[next_arrival]
             next_arrival += 1
             # Distinct token ids per request so that no block is shared by accident.
-            prompt = [next_seq_id * 7919 + i for i in range(trace.prompt_len)]
-            seq = Sequence(next_seq_id, prompt, bs)
-            next_seq_id += 1
+            seq_id = scheduler.next_seq_id()
+            prompt = [seq_id * 7919 + i for i in range(trace.prompt_len)]
+            seq = Sequence(seq_id, prompt, bs)
             output_len = max(1, min(trace.output_len, max_len - trace.prompt_len))
             params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
                                     ignore_eos=True)
@@ -192,22 +199,11 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
         weighted_batch += dt * len(out.scheduled_seq_groups)
         if num_steps > config.max_steps:
             raise RuntimeError("simulation did not finish: the scheduler is stuck")
-        for group in out.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens = seq.get_len()
-            if out.is_prefill:
-                next_seq_id = fork_parallel_samples(scheduler, group, next_seq_id)
-            target = group.sampling_params.max_tokens
-            for index, seq in enumerate(group.get_seqs(SequenceStatus.RUNNING)):
-                seq.append_token(index, 0.0)
-                if seq.get_output_len() >= target:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    scheduler.free_seq(seq)
+        for group in scheduler.postprocess(out, sink).groups_with_tokens:
             if group.is_finished():
                 request = live.pop(group.request_id)
                 request.finish_time = clock
                 done.append(request)
-        scheduler.free_finished_seq_groups()
     assert scheduler.block_manager.all_free(), "the simulation leaked KV blocks"
     latencies = [(r.finish_time - r.trace.arrival_time) for r in done]
     normalized = [lat / r.group.sampling_params.max_tokens for lat, r in zip(latencies, done)]

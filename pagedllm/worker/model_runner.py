@@ -2,7 +2,9 @@
 
 The batch is flattened (no padding): all tokens computed this step, one after another, with
 their positions and KV slots; attention finds each sequence's tokens through query_start_loc
-and its cached context through the block table.
+and its cached context through the block table. A batch mixes decodes (one token) and prompt
+chunks (many tokens, after a context already in the cache); only sequences whose last token is
+computed this step sample.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.engine.step_timing import StepTimer
 from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
+from pagedllm.step_timing import StepTimer
 
 
 @dataclass
@@ -22,16 +24,15 @@ class SeqStepInput:
     """What the worker needs about one sequence for one step (plain data, sendable to ranks)."""
 
     seq_id: int
-    token_ids: list[int]  # the tokens computed this step
+    token_ids: list[int]  # the tokens computed this step (a decode's one token, or a prompt chunk)
     start_pos: int  # absolute position of token_ids[0] (= tokens already cached)
     block_table: list[int]
-    sampling_row: SamplingRow | None  # None: compute only, do not sample
+    sampling_row: SamplingRow | None  # None: compute only, do not sample (a chunk mid-prompt)
     num_samples: int = 1  # > 1 on the prompt step of best_of / parallel sampling: rows share the logits
 
 
 @dataclass
 class StepInput:
-    is_prefill: bool
     seqs: list[SeqStepInput]
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -73,7 +74,6 @@ class ModelRunner:
         tables = [_pad(seq.block_table[:max_blocks], max_blocks) for seq in step.seqs]
         device = self.device
         meta = AttentionMetadata(
-            is_prefill=step.is_prefill,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_lens=[len(seq.token_ids) for seq in step.seqs],
             query_start_loc=query_start_loc,

@@ -3,10 +3,9 @@
 ``simulator.serving.simulate`` runs a whole trace to the end as fast as it can; the dashboard
 needs the same loop one step at a time, paced so that simulated seconds pass as wall-clock
 seconds (times ``speed``). ``SteppedSimulation`` is that loop (the REAL core scheduler and block
-manager, the cost model's clock, parallel samples forked after the prompt step as the engine
-does), plus what a live picture needs and the batch simulator does not: prefix-cache promotion
-after each step (as LLMEngine does), an optional prompt prefix shared by every request, TTFT /
-ITL in simulated time, and a fresh trace whenever one is used up, so the page never goes still.
+manager and its ``postprocess``, the cost model's clock), plus what a live picture needs and the
+batch simulator does not: an optional prompt prefix shared by every request, TTFT / ITL in
+simulated time, and a fresh trace whenever one is used up, so the page never goes still.
 
 Steps and snapshots both run on the event loop, so a snapshot always falls between two steps.
 """
@@ -14,18 +13,18 @@ Steps and snapshots both run on the event loop, so a snapshot always falls betwe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.snapshot import take_snapshot
+from pagedllm.core.token_sink import ScriptedTokens
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.sequence import Sequence, SequenceGroup
 from pagedllm.simulator import CostModel, SimConfig, TraceRequest
-from pagedllm.simulator.serving import POLICIES, fork_parallel_samples, step_features
+from pagedllm.simulator.serving import POLICIES, make_scheduler, sample_index_token, step_features
 
 TraceFactory = Callable[[int], list[TraceRequest]]  # round number -> requests, arrivals from 0
 
@@ -40,25 +39,15 @@ class SteppedSimulation:
         self.cost_model = cost_model
         self.make_trace = make_trace
         self.shared_prefix_len = shared_prefix_len
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
-                max_model_len=config.max_model_len, preemption_mode=config.preemption_mode,
-                kv_allocation=kv_allocation, batching=batching, track_kv_waste=False,
-            ),
-            CacheConfig(block_size=config.block_size,
-                        enable_prefix_caching=config.enable_prefix_caching and kv_allocation == "paged"),
-            config.num_gpu_blocks, config.num_cpu_blocks,
-        )
+        prefix_caching = config.enable_prefix_caching and kv_allocation == "paged"
+        live_config = dataclasses.replace(config, track_kv_waste=False, enable_prefix_caching=prefix_caching)
+        self.scheduler = make_scheduler(live_config, kv_allocation, batching)
+        self.sink = ScriptedTokens(sample_index_token)
         self.max_len = min(config.max_model_len, config.num_gpu_blocks * config.block_size)
         self.clock = 0.0
         self.round = 0
         self.pending: list[TraceRequest] = []
         self.next_arrival = 0
-        self.next_seq_id = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.num_steps = 0
         self._first_token: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
@@ -81,9 +70,9 @@ class SteppedSimulation:
         prefix_len = min(self.shared_prefix_len, max(0, trace.prompt_len - 1))
         # A common prefix (same token ids) for prefix caching to find; the rest distinct per request.
         prompt = list(range(prefix_len))
-        prompt += [1_000_000 + self.next_seq_id * 7919 + i for i in range(trace.prompt_len - prefix_len)]
-        seq = Sequence(self.next_seq_id, prompt, bs)
-        self.next_seq_id += 1
+        seq_id = self.scheduler.next_seq_id()
+        prompt += [1_000_000 + seq_id * 7919 + i for i in range(trace.prompt_len - prefix_len)]
+        seq = Sequence(seq_id, prompt, bs)
         output_len = max(1, min(trace.output_len, self.max_len - trace.prompt_len))
         params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
                                 ignore_eos=True)
@@ -110,27 +99,10 @@ class SteppedSimulation:
         dt = self.cost_model.step_time(step_features(out, self.config.block_size))
         self.clock += dt
         self.num_steps += 1
-        block_manager = self.scheduler.block_manager
-        for group in out.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if out.is_prefill:
-                    self.num_prompt_tokens += seq.get_len() - seq.num_computed_tokens
-                seq.num_computed_tokens = seq.get_len()
-                block_manager.mark_computed(seq)
-            if out.is_prefill:
-                self.next_seq_id = fork_parallel_samples(self.scheduler, group, self.next_seq_id)
-            target = group.sampling_params.max_tokens
-            running = group.get_seqs(SequenceStatus.RUNNING)
-            for index, seq in enumerate(running):
-                seq.append_token(index, 0.0)
-                if seq.get_output_len() >= target:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    self.scheduler.free_seq(seq)
-            self.num_generation_tokens += len(running)
+        for group in self.scheduler.postprocess(out, self.sink).groups_with_tokens:
             self._token_times(group)
             if group.is_finished():
                 self._forget(group.request_id)
-        self.scheduler.free_finished_seq_groups()
         return dt
 
     def _token_times(self, group: SequenceGroup) -> None:
@@ -149,8 +121,8 @@ class SteppedSimulation:
     def counters(self) -> dict[str, float]:
         scheduler = self.scheduler
         return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
+            "prompt_tokens": scheduler.num_prompt_tokens,
+            "generation_tokens": scheduler.num_generation_tokens,
             "preemptions": scheduler.num_preempted_by_recompute + scheduler.num_preempted_by_swap,
             "steps": self.num_steps,
         }

@@ -1,0 +1,44 @@
+"""Where ``Scheduler.postprocess`` hands the sampled tokens of a step.
+
+The engine's sink reads the sampler's output (tokens, logprobs), detokenizes, checks stop
+conditions and runs beam search; ``ScriptedTokens`` serves runs without a model (the simulator,
+the dashboard's simulation, tests): tokens come from a function, and a sequence ends at its
+request's ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class TokenSink(Protocol):
+    def append_token(self, group: SequenceGroup, seq: Sequence, row: int) -> None:
+        """Append the token sampled in sampler row ``row`` to ``seq``; set a finished status if it stops."""
+
+    def step_beams(self, group: SequenceGroup, beams: list[Sequence], rows: list[int]) -> int:
+        """Advance a beam-search group by one token (``rows[i]`` is ``beams[i]``'s sampler row);
+        the sink forks and frees beams through the scheduler. Returns the tokens generated."""
+
+
+class ScriptedTokens:
+    """Tokens from ``token_fn(group, seq)``; each sequence stops at its request's ``max_tokens``.
+
+    Beams have nothing to rank without a model: each beam simply takes its next token.
+    """
+
+    def __init__(self, token_fn: Callable[[SequenceGroup, Sequence], int] = lambda group, seq: 0) -> None:
+        self.token_fn = token_fn
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, row: int) -> None:
+        seq.append_token(self.token_fn(group, seq), 0.0)
+        max_tokens = group.sampling_params.max_tokens
+        if max_tokens is not None and seq.get_output_len() >= max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def step_beams(self, group: SequenceGroup, beams: list[Sequence], rows: list[int]) -> int:
+        for beam, row in zip(beams, rows):
+            self.append_token(group, beam, row)
+        return len(beams)
