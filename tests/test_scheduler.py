@@ -120,8 +120,9 @@ def test_recompute_reuses_prefix_cache() -> None:
     new = engine.add("new", 8, max_tokens=12, arrival_time=2.0)
     recomputed_tokens = []
     while engine.scheduler.has_unfinished_seqs():
+        readmitted = new in engine.scheduler.waiting and new.num_preemptions
         out = engine.step()
-        if engine.is_prefill(out) and new in out.scheduled_seq_groups and new.num_preemptions:
+        if readmitted and new in out.scheduled_seq_groups:
             recomputed_tokens.append((out.num_batched_tokens, new.seqs[0].get_len() - 1))
     assert engine.bm.all_free()
     assert recomputed_tokens
