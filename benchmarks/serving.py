@@ -17,6 +17,15 @@ valid for the model, no shared prefixes); ``--prompt-type text`` sends them deto
     # start `pagedllm serve` itself (engine flags after --), sweep rates under a latency bound
     .venv/bin/python benchmarks/serving.py --launch --num-prompts 8 --sweep 1 2 4 \\
         --max-input-len 64 --max-output-len 32 --latency-bound 0.5 -- --device cpu --num-kv-blocks 256
+
+``--compare-chunking`` (with ``--launch``) runs the same benchmark twice in one invocation, on a
+server with chunked prefill and on one without, and prints the two side by side. With
+``--scenario interference`` the benchmark is the long-prompt interference test: ``--streams``
+requests decode while, ``--long-prompt-delay`` seconds in, one ``--long-prompt-len``-token prompt
+arrives; the figure is the inter-token latency (p99) of the streams.
+
+    .venv/bin/python benchmarks/serving.py --launch --compare-chunking --scenario interference \\
+        -- --device cpu --num-kv-blocks 512
 """
 
 from __future__ import annotations
@@ -164,6 +173,28 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int] 
     return result
 
 
+async def run_interference(client: httpx.AsyncClient, args: argparse.Namespace, model: str) -> dict:
+    """``args.streams`` streams decode; a long prompt arrives while they do. ITL of the streams."""
+    streams = [TraceRequest(f"stream-{i}", args.stream_prompt_len, args.stream_output_len) for i in range(args.streams)]
+    long = TraceRequest("long", args.long_prompt_len, 4)
+    prompts = await make_prompts(client, args, model, streams + [long])
+    start = time.perf_counter()
+
+    async def long_request() -> RequestResult:
+        await asyncio.sleep(args.long_prompt_delay)
+        return await send_request(client, model, prompts[-1], long, args)
+
+    results = await asyncio.gather(*(send_request(client, model, prompts[i], r, args) for i, r in enumerate(streams)),
+                                   long_request())
+    duration = time.perf_counter() - start
+    stream_results, long_result = list(results[:-1]), results[-1]
+    summary = summarize(stream_results, duration, float("inf"), 1.0)
+    summary["long_prompt"] = {"prompt_len": args.long_prompt_len, "success": long_result.success,
+                              "ttft_ms": 1e3 * long_result.ttft, "error": long_result.error}
+    summary["max_itl_ms"] = 1e3 * max((x for r in stream_results for x in r.itl), default=float("nan"))
+    return summary
+
+
 async def run_rate(client: httpx.AsyncClient, args: argparse.Namespace, model: str, rate: float) -> dict:
     trace = build_trace(args, rate)
     prompts = await make_prompts(client, args, model, trace)
@@ -300,6 +331,14 @@ async def benchmark(args: argparse.Namespace, base_url: str) -> dict:
             response = await client.get("/v1/models")
             response.raise_for_status()
             model = response.json()["data"][0]["id"]
+        if args.scenario == "interference":
+            print(f"model: {model}  {args.streams} streams of {args.stream_output_len} tokens, a "
+                  f"{args.long_prompt_len}-token prompt after {args.long_prompt_delay}s", flush=True)
+            summary = await run_interference(client, args, model)
+            print_summary(summary)
+            print(f"long prompt: TTFT {summary['long_prompt']['ttft_ms']:.0f} ms; streams' max ITL "
+                  f"{summary['max_itl_ms']:.0f} ms")
+            return {"model": model, **summary}
         print(f"model: {model}  trace: {args.trace}  prompts: {args.num_prompts}", flush=True)
         if args.sweep:
             runs, best = [], None
@@ -347,24 +386,69 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--launch", action="store_true",
                         help="start `pagedllm serve` on a free loopback port (engine flags after --)")
     parser.add_argument("--launch-timeout", type=float, default=600.0)
+    parser.add_argument("--compare-chunking", action="store_true",
+                        help="with --launch: run on a server with chunked prefill and on one without, side by side")
+    parser.add_argument("--scenario", choices=["trace", "interference"], default="trace")
+    parser.add_argument("--streams", type=int, default=8, help="interference: decoding streams")
+    parser.add_argument("--stream-prompt-len", type=int, default=32)
+    parser.add_argument("--stream-output-len", type=int, default=128)
+    parser.add_argument("--long-prompt-len", type=int, default=2000)
+    parser.add_argument("--long-prompt-delay", type=float, default=3.0, help="seconds before the long prompt")
     args = parser.parse_args(argv)
     if engine_flags and not args.launch:
         parser.error("engine flags after -- need --launch")
+    if args.compare_chunking and not args.launch:
+        parser.error("--compare-chunking needs --launch")
     return args, engine_flags
+
+
+def run_launched(args: argparse.Namespace, engine_flags: list[str]) -> tuple[dict, str]:
+    process, base_url = launch_server(engine_flags, args.api_key, args.launch_timeout)
+    try:
+        return asyncio.run(benchmark(args, base_url)), base_url
+    finally:
+        stop_server(process)
+        print(f"server stopped (exit status {process.returncode})")
+
+
+def _runs(result: dict) -> list[dict]:
+    return result["runs"] if "runs" in result else [result]
+
+
+def compare_chunking(args: argparse.Namespace, engine_flags: list[str]) -> dict:
+    """The same benchmark against a chunked-prefill server and an unchunked one, one after the other."""
+    results = {}
+    for mode in ("chunked", "unchunked"):
+        flag = "--enable-chunked-prefill" if mode == "chunked" else "--no-enable-chunked-prefill"
+        print(f"{f' {mode} ':#^60}", flush=True)
+        results[mode], _ = run_launched(args, [*engine_flags, flag])
+    print(f"{' chunked vs unchunked ':=^86}")
+    print(f"{'rate':>8}{'TTFT p50 ms':>26}{'ITL p99 ms':>26}{'output tok/s':>26}")
+    rows = []
+    for chunked, unchunked in zip(_runs(results["chunked"]), _runs(results["unchunked"])):
+        row = {
+            "request_rate": chunked["request_rate"],
+            "ttft_p50_ms": (chunked["ttft"]["median_ms"], unchunked["ttft"]["median_ms"]),
+            "itl_p99_ms": (chunked["itl"]["p99_ms"], unchunked["itl"]["p99_ms"]),
+            "output_throughput": (chunked["output_throughput"], unchunked["output_throughput"]),
+        }
+        rows.append(row)
+        cells = [f"{a:9.1f} /{b:9.1f} ({a / b:4.2f}x)" for a, b in
+                 (row["ttft_p50_ms"], row["itl_p99_ms"], row["output_throughput"])]
+        print(f"{row['request_rate']!s:>8}" + "".join(f"{c:>26}" for c in cells))
+    print("(chunked / unchunked, ratio)")
+    return {"chunked": results["chunked"], "unchunked": results["unchunked"], "comparison": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     args, engine_flags = parse_args(sys.argv[1:] if argv is None else argv)
-    process = None
     base_url = args.base_url
-    try:
-        if args.launch:
-            process, base_url = launch_server(engine_flags, args.api_key, args.launch_timeout)
+    if args.compare_chunking:
+        result = compare_chunking(args, engine_flags)
+    elif args.launch:
+        result, base_url = run_launched(args, engine_flags)
+    else:
         result = asyncio.run(benchmark(args, base_url))
-    finally:
-        if process is not None:
-            stop_server(process)
-            print(f"server stopped (exit status {process.returncode})")
     result["args"] = vars(args) | {"engine_flags": engine_flags, "base_url": base_url}
     if args.json:
         with open(args.json, "w") as f:
