@@ -60,8 +60,10 @@ def llama_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def tp_llama(llama_dir):
-    """One 2-rank engine for the module; swap preemption, so swapping runs on both ranks too."""
-    llm = LLM(llama_dir, tensor_parallel_size=2, preemption_mode="swap", swap_space="1MiB", **_engine_kwargs())
+    """One 2-rank engine for the module; swap preemption, so swapping runs on both ranks too, and a
+    16-token step budget, so prompts go to the ranks in chunks mixed with decodes."""
+    llm = LLM(llama_dir, tensor_parallel_size=2, preemption_mode="swap", swap_space="1MiB", max_num_batched_tokens=16,
+              **_engine_kwargs())
     yield llm
     llm.llm_engine.shutdown()
     assert not _children_alive()
@@ -69,7 +71,7 @@ def tp_llama(llama_dir):
 
 @pytest.fixture(scope="module")
 def tp1_llama(llama_dir):
-    return LLM(llama_dir, preemption_mode="swap", swap_space="1MiB", **_engine_kwargs())
+    return LLM(llama_dir, preemption_mode="swap", swap_space="1MiB", max_num_batched_tokens=16, **_engine_kwargs())
 
 
 # ---------------------------------------------------------------------- sharding, in one process

@@ -39,7 +39,7 @@ from pagedllm.worker.worker import Worker, resolve_device
 logger = logging.getLogger(__name__)
 
 # The default step token budget with chunked prefill.
-DEFAULT_CHUNKED_BATCHED_TOKENS = 512
+DEFAULT_CHUNKED_BATCHED_TOKENS = 256
 
 
 class LLMEngine:

@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")
     group.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="Token budget of one step (default: 512 with chunked prefill, "
+                       help="Token budget of one step (default: 256 with chunked prefill, "
                        "else max(max_model_len, 8192)).")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="Share each step's token budget between decodes and prompt chunks (off: a step is all "

@@ -4,12 +4,14 @@
 // block table: the step's own keys and values were written into the cache before the call, so
 // a chunk's tokens and its earlier context are read alike, with no gathered copy.
 //
-// A work item is a tile of up to TILE consecutive query tokens of one sequence. Walking the
-// tile's context block by block, slot by slot, each key/value row (all KV heads side by side) is
-// loaded once and used by every query token of the tile and every query head of its group
-// (grouped-query attention), so a long chunk streams its context from memory once per tile
-// rather than once per token. Query token j of a tile sees keys [0, first_pos + j]; softmax is
-// exact (scores kept per tile, then normalised), in float32 whatever the cache's type.
+// A work item is a tile of up to TILE consecutive query tokens of one sequence. For each KV head,
+// the tile walks its context block by block with an online softmax (flash attention's running
+// max and sum), so nothing grows with the context. Each block's keys for that head are first
+// transposed into a small buffer (head_dim x keys), which makes the scores of one query a sum of
+// head_dim vector FMAs across the block's keys, with no horizontal sums; the transposed block then
+// serves every query token of the tile and every query head sharing the KV head (grouped-query
+// attention). Values are read in place, row by row. Softmax and accumulation are in float32
+// whatever the cache's type.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -42,77 +44,82 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
   const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
   const int64_t q_stride = num_heads * head_dim;       // one query token: every query head
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [rows, Hq, length]
-    std::vector<float> qf(TILE * q_stride);
-    std::vector<float> acc(TILE * q_stride);
+    const int64_t lanes = TILE * group;  // (query row, query head of the group) pairs
+    std::vector<float> qf(lanes * head_dim), acc(lanes * head_dim);
+    std::vector<float> running_max(lanes), running_sum(lanes);
+    std::vector<float> kt(head_dim * block_size), scores(block_size);
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& item = items[w];
       const int64_t rows = item.num_rows;
       const int64_t length = item.first_pos + rows;  // keys seen by the tile's last row
       const int64_t* table = block_tables + item.seq * max_blocks;
-      scores.resize(rows * num_heads * length);
-      for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* qrow = q + (item.first_row + r) * q_stride;
-        for (int64_t i = 0; i < q_stride; ++i) qf[r * q_stride + i] = static_cast<float>(qrow[i]) * scale;
-      }
-      // Scores: row r sees keys [0, first_pos + r]; later keys of the tile are masked below.
-      for (int64_t start = 0; start < length; start += block_size) {
-        const int64_t n = std::min(block_size, length - start);
-        const scalar_t* kblock = k_cache + table[start / block_size] * block_size * row_stride;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t pos = start + i;
-          const scalar_t* krow = kblock + i * row_stride;
-          // The first row that sees this key: every row when the key is in the cached context.
-          const int64_t first_r = std::max<int64_t>(0, pos - item.first_pos);
-          for (int64_t r = first_r; r < rows; ++r) {
-            for (int64_t h = 0; h < num_heads; ++h) {
-              const scalar_t* kh = krow + (h / group) * head_dim;
-              const float* qh = qf.data() + r * q_stride + h * head_dim;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-              scores[(r * num_heads + h) * length + pos] = dot;
-            }
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t i = 0; i < group; ++i) {
+            const scalar_t* qh = q + (item.first_row + r) * q_stride + (g * group + i) * head_dim;
+            float* dst = qf.data() + (r * group + i) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(qh[d]) * scale;
           }
         }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t seen = item.first_pos + r + 1;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + (r * num_heads + h) * length;
-          const float max_score = *std::max_element(s, s + seen);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < seen; ++t) {
-            s[t] = std::exp(s[t] - max_score);
-            sum += s[t];
+        std::fill(acc.begin(), acc.begin() + rows * group * head_dim, 0.f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(running_sum.begin(), running_sum.end(), 0.f);
+        for (int64_t start = 0; start < length; start += block_size) {
+          const int64_t n = std::min(block_size, length - start);
+          const int64_t base = table[start / block_size] * block_size * row_stride + g * head_dim;
+          const scalar_t* kblock = k_cache + base;
+          const scalar_t* vblock = v_cache + base;
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* krow = kblock + j * row_stride;
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = static_cast<float>(krow[d]);
           }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < seen; ++t) s[t] *= inv;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + rows * q_stride, 0.f);
-      for (int64_t start = 0; start < length; start += block_size) {
-        const int64_t n = std::min(block_size, length - start);
-        const scalar_t* vblock = v_cache + table[start / block_size] * block_size * row_stride;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t pos = start + i;
-          const scalar_t* vrow = vblock + i * row_stride;
-          const int64_t first_r = std::max<int64_t>(0, pos - item.first_pos);
-          for (int64_t r = first_r; r < rows; ++r) {
-            for (int64_t h = 0; h < num_heads; ++h) {
-              const scalar_t* vh = vrow + (h / group) * head_dim;
-              const float p = scores[(r * num_heads + h) * length + pos];
-              float* a = acc.data() + r * q_stride + h * head_dim;
+          for (int64_t r = 0; r < rows; ++r) {
+            // Row r sees keys up to its own position: the whole block, part of it, or none.
+            const int64_t visible = std::min(n, item.first_pos + r + 1 - start);
+            if (visible <= 0) continue;
+            for (int64_t i = 0; i < group; ++i) {
+              const int64_t lane = r * group + i;
+              const float* qh = qf.data() + lane * head_dim;
+              float* s = scores.data();
+              std::fill(s, s + visible, 0.f);
+              for (int64_t d = 0; d < head_dim; ++d) {
+                const float qd = qh[d];
+                const float* kd = kt.data() + d * block_size;
 #pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+                for (int64_t j = 0; j < visible; ++j) s[j] += qd * kd[j];
+              }
+              const float block_max = *std::max_element(s, s + visible);
+              const float new_max = std::max(running_max[lane], block_max);
+              const float correction = std::exp(running_max[lane] - new_max);
+              float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+              for (int64_t j = 0; j < visible; ++j) {
+                s[j] = std::exp(s[j] - new_max);
+                sum += s[j];
+              }
+              running_sum[lane] = running_sum[lane] * correction + sum;
+              running_max[lane] = new_max;
+              float* a = acc.data() + lane * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+              for (int64_t j = 0; j < visible; ++j) {
+                const float p = s[j];
+                const scalar_t* vrow = vblock + j * row_stride;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
+              }
             }
           }
         }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* orow = out + (item.first_row + r) * q_stride;
-        for (int64_t i = 0; i < q_stride; ++i) orow[i] = static_cast<scalar_t>(acc[r * q_stride + i]);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t i = 0; i < group; ++i) {
+            const int64_t lane = r * group + i;
+            const float inv = 1.f / running_sum[lane];
+            const float* a = acc.data() + lane * head_dim;
+            scalar_t* o = out + (item.first_row + r) * q_stride + (g * group + i) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * inv);
+          }
+        }
       }
     }
   });
