@@ -383,7 +383,8 @@ def run_sharing_workload(server) -> dict:
     gate.run_steps(3)  # the prefill of both (and the forks of the n=3 group), then two decodes
     threads.append(post_completion(server.url, prefix + list(range(150, 158))))
     wait_for(lambda: len(scheduler.waiting) == 1, what="the third request")
-    gate.run_steps(2)  # its prefill (hitting the cached prefix of the second request), one decode
+    gate.run_steps(2)  # its prefill (hitting the cached prefix of the second request) with the others' decodes,
+    # then one decode of all three
     # n=3: 2 full prompt blocks shared by the 3 samples + 3 private last blocks (copy-on-write).
     # Prefix: the 2 prefix blocks shared by 2 requests + 1 last block each. Nothing else is held.
     expected = {"used": 5 + 4, "shared": 2 + 2, "owned": 3 + 2, "cached": 0, "swapped": 0}
