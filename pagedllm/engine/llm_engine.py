@@ -245,6 +245,8 @@ class LLMEngine:
                     self._forget(group)
             for group, exc in result.failed:
                 outputs.append(self._fail_group(group, sink.failed_stages.get(group.request_id), exc))
+            if result.failed:
+                self.scheduler.free_finished_seq_groups()  # the failed groups leave the running queue now
             for group in sched.ignored_seq_groups:
                 outputs.append(self._make_output(group))
                 self._forget(group)
