@@ -6,22 +6,20 @@ hidden states projected out, so ``forward`` returns ``[T, word_embed_proj_dim]``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import PackableLinear
-from pagedllm.models.layers import WeightLoader, get_activation
+from pagedllm.models.layers import get_activation
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_logits,
 )
 
 # OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
@@ -117,7 +115,7 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -125,38 +123,16 @@ class OPTForCausalLM(nn.Module):
     }
 
     def __init__(self, hf_config: Any) -> None:
-        super().__init__()
-        self.config = hf_config
+        super().__init__(hf_config, tie_default=True)
         self.model = OPTModel(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            proj_dim = getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, proj_dim)
+        self.add_lm_head(getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        attn_metadata: AttentionMetadata | None,
-    ) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
+    def backbone(self) -> nn.Module:
+        return self.model.decoder
 
-    def logits_head(self) -> nn.Module:
-        """The module whose weight is the output projection (the embedding when tied)."""
-        return self.model.decoder.embed_tokens if self.tie_word_embeddings else self.lm_head
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.decoder.embed_tokens
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
-        return lm_logits(hidden, self.logits_head())
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (``model.decoder.*``, or the original ``decoder.*``)."""
-        loader = WeightLoader(self, self.stacked_params)
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name.startswith("decoder."):
-                name = "model." + name
-            loader.load(name, tensor)
-        return loader.finish()
+    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """HF names (``model.decoder.*``), or the original ``decoder.*``."""
+        return ("model." + name if name.startswith("decoder.") else name), tensor
