@@ -253,6 +253,8 @@ class DecoderForCausalLM(CausalLM):
         family = self.settings.family
         if "rotary_emb." in name or name.endswith((".attention.bias", ".attention.masked_bias")):
             return None  # rope tables and causal-mask buffers saved by some checkpoints
+        # Only a transformers checkpoint stores q, k, v per head (GGUF files store them stacked).
+        per_head = family.qkv_per_head and ".query_key_value." in name
         if name.startswith(family.prefix):
             name = "model." + name[len(family.prefix):]
         dotted = "." + name
@@ -261,6 +263,6 @@ class DecoderForCausalLM(CausalLM):
         name = dotted[1:]
         if not name.startswith(("model.", "lm_head.")):
             name = "model." + name  # checkpoints of the bare backbone
-        if family.qkv_per_head and ".qkv_proj." in name:
+        if per_head:
             tensor = _qkv_per_head_to_stacked(tensor, self.settings.num_heads)
         return name, tensor
