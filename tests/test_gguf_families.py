@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import write_family_gguf
-from test_model_families import VOCAB, WINDOW, hf_prompt_and_step
+from test_model_families import VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
 from test_models import PagedBatch, make_caches
 
 from pagedllm import LLM, SamplingParams
@@ -58,13 +58,7 @@ def tokenizer(tmp_path_factory):
 
 
 def _hf_model(arch: str):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(gguf_config(arch), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
+    return random_hf_model(gguf_config(arch))
 
 
 def _logits(model, model_config, prompts, next_tokens):

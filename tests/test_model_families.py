@@ -74,16 +74,22 @@ FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "gemma", "gemma2", "gemma3", "phi3-
             "gpt-neox-sequential", "starcoder2", "mistral-window", "qwen2-window", "llama-yarn", "llama-dynamic"]
 
 
-def save_family(name: str, path: str, with_tokenizer: bool = False):
-    """A tiny random model of the family under path, its 1-D weights (biases, norms) made to count."""
-    if with_tokenizer:
-        train_tokenizer(path)
+def random_hf_model(config):
+    """A transformers model of the config, seeded, its 1-D weights (biases, norms) made to count."""
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param in hf_model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
+    return hf_model
+
+
+def save_family(name: str, path: str, with_tokenizer: bool = False):
+    """A tiny random model of the family saved under path."""
+    if with_tokenizer:
+        train_tokenizer(path)
+    hf_model = random_hf_model(family_config(name))
     hf_model.save_pretrained(path)
     return hf_model
 

@@ -11,40 +11,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.attention import AttentionMetadata
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.layers import get_activation
+from pagedllm.models.mha import MultiHeadAttention
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+# HF's attention names -> the shared attention's (HF stores q, k, v stacked in one c_attn tensor;
+# the fused layer splits it per part, then per rank).
+_ATTENTION_NAMES = ((".attn.c_attn.", ".attn.qkv_proj."), (".attn.c_proj.", ".attn.out_proj."))
 
 
-class GPT2Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        self.head_dim = hidden // total_heads
-        scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
-        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-            scale /= float(layer_idx + 1)
-        # HF stores q, k, v stacked in one c_attn tensor; the layer splits it per part, then per rank.
-        self.c_attn = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=True)
-        self.num_heads = self.c_attn.num_local_heads
-        self.local_size = self.num_heads * self.head_dim
-        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=scale)
-
-    def forward(
-        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
-    ) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).split(self.local_size, dim=-1)
-        return self.c_proj(self.attn(q, k, v, kv_cache, meta))
+def gpt2_attention(config: Any, layer_idx: int) -> MultiHeadAttention:
+    head_dim = config.hidden_size // config.num_attention_heads
+    scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scale /= float(layer_idx + 1)
+    return MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True, scale=scale)
 
 
 class GPT2MLP(nn.Module):
@@ -65,7 +53,7 @@ class GPT2Block(nn.Module):
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = gpt2_attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
@@ -120,4 +108,8 @@ class GPT2LMHeadModel(CausalLM):
             return None  # causal-mask buffers of old checkpoints
         if not name.startswith(("transformer.", "lm_head.")):
             name = "transformer." + name
-        return name, (tensor.t() if name.endswith(_CONV1D) else tensor)
+        if name.endswith(_CONV1D):
+            tensor = tensor.t()
+        for old, new in _ATTENTION_NAMES:
+            name = name.replace(old, new)
+        return name, tensor

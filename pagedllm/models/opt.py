@@ -11,39 +11,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.attention import AttentionMetadata
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import PackableLinear
 from pagedllm.models.layers import get_activation
+from pagedllm.models.mha import MultiHeadAttention
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 
 # OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
 POSITION_OFFSET = 2
-
-
-class OPTAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        self.head_dim = hidden // total_heads
-        bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias)
-        self.num_heads = self.qkv_proj.num_local_heads
-        self.local_size = self.num_heads * self.head_dim
-        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
-
-    def forward(
-        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.local_size, dim=-1)
-        return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -53,7 +33,8 @@ class OPTDecoderLayer(nn.Module):
         bias = bool(getattr(config, "enable_bias", True))
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
         self.do_layer_norm_before = bool(config.do_layer_norm_before)
-        self.self_attn = OPTAttention(config)
+        self.self_attn = MultiHeadAttention(hidden, config.num_attention_heads, bias=bias,
+                                            scale=(hidden // config.num_attention_heads) ** -0.5)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias)
         self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias)
