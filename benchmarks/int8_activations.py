@@ -81,11 +81,12 @@ def teacher_forced_agreement(llm: LLM, prompts: list[list[int]], continuations: 
     return same / total
 
 
-def measure(model: str | None, new_tokens: int = 64, window: int = 512, prompts: list[str] = PROMPTS) -> dict:
+def measure(model: str | None, new_tokens: int = 64, window: int = 512, prompts: list[str] = PROMPTS,
+            text_tokens: int | None = None) -> dict:
     engines = {name: LLM(model=model, int8_activations=flag, kv_cache_memory="512MiB")
                for name, flag in (("float", False), ("int8", True))}
     tokenizer = engines["float"].get_tokenizer()
-    text_ids = tokenizer.encode(fixed_text())
+    text_ids = tokenizer.encode(fixed_text())[:text_tokens]
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     result = {"text_tokens": len(text_ids), "prompts": len(prompts), "new_tokens": new_tokens}
     for name, llm in engines.items():

@@ -50,7 +50,8 @@ def main() -> None:
     kernels = load_cpu_kernels()
     print(f"int8 dot product: {kernels.int8_dot_isa()}, {args.threads} threads")
     rng = np.random.default_rng(0)
-    print(f"{'shape':>8} {'type':>5} {'M':>4} | {'float ms':>8} {'GB/s':>5} | {'int8 ms':>8} {'GB/s':>5} {'GOPS':>6} | speed-up")
+    print(f"{'shape':>8} {'type':>5} {'M':>4} | {'float ms':>8} {'GB/s':>5} | "
+          f"{'int8 ms':>8} {'GB/s':>5} {'GOPS':>6} | speed-up")
     for name, n, k, type_name in SHAPES:
         qtype = GGMLQuantizationType[type_name]
         packed = torch.from_numpy(np.ascontiguousarray(random_packed(rng, qtype, n, k)))
@@ -58,8 +59,12 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             repeats = max(3, min(30, int(2e9 / (n * k * max(m, 8)))))
-            t_float = median_seconds(lambda: kernels.quant_linear(x, packed, qtype.value, k, None, 48), repeats)
-            t_int8 = median_seconds(lambda: kernels.int8_linear(x, tiled, qtype.value, n, k, None), repeats)
+            t_float = median_seconds(
+                lambda x=x, packed=packed, qtype=qtype, k=k: kernels.quant_linear(x, packed, qtype.value, k, None, 48),
+                repeats)
+            t_int8 = median_seconds(
+                lambda x=x, tiled=tiled, qtype=qtype, n=n, k=k: kernels.int8_linear(x, tiled, qtype.value, n, k, None),
+                repeats)
             print(f"{name:>8} {type_name:>5} {m:4d} | {t_float * 1e3:8.2f} {packed.numel() / t_float / 1e9:5.1f} | "
                   f"{t_int8 * 1e3:8.2f} {tiled.numel() / t_int8 / 1e9:5.1f} {2 * m * n * k / t_int8 / 1e9:6.0f} | "
                   f"{t_float / t_int8:5.2f}x")

@@ -64,7 +64,7 @@ def measure(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
     q4 = query.view(batch, heads, 1, head_dim)
 
     def paged():
-        meta.decode_mask = None  # the per-step mask is built once per step, by the first layer
+        meta.decode_masks.clear()  # the per-step masks are built once per step, by the first layer
         with torch.inference_mode():
             return attn(query, new_k, new_v, (k_cache, v_cache), meta)
 

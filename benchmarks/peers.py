@@ -18,6 +18,10 @@ Workloads (models built once into --cache-dir, default ~/.cache/pagedllm/peers):
 - default: SmolLM2-135M-Instruct converted from the embedded GGUF (dequantized to float32) to an HF
   folder; 64 requests with ShareGPT-like (log-normal) lengths mapped from [4, 1024] onto [16, 256]
   in and out, seeded.
+- qwen3-0.6b, gemma3-1b: random models of the shapes of Qwen3-0.6B (28 layers, hidden 1024, 16 / 8
+  heads of 128, q/k norms, vocab 151936) and Gemma-3-1B (26 layers, hidden 1152, 4 / 1 heads of 256,
+  sliding window 512 on five layers of six, vocab 262144), bfloat16 on disk, with a SentencePiece
+  tokenizer of the same vocabulary; 16 prompts of 128 random token ids, 64 new tokens each.
 
 Commands (from the repository root):
 
@@ -31,6 +35,9 @@ Commands (from the repository root):
     .venv/bin/python benchmarks/peers.py --workload tiny --peer-python ctranslate2=~/peers/ctranslate2/bin/python
     # only build the models and convert them for the peers found
     .venv/bin/python benchmarks/peers.py --workload default --peers-dir ~/peers --prepare-only
+    # the model families beyond Llama, at real sizes (random weights)
+    .venv/bin/python benchmarks/peers.py --workload qwen3-0.6b --peers-dir ~/peers --dtypes bfloat16
+    .venv/bin/python benchmarks/peers.py --workload gemma3-1b --peers-dir ~/peers --dtypes bfloat16
 
 dtypes: float32 and bfloat16 for every engine that has them (CTranslate2 has no bfloat16 on CPU;
 ``int8`` runs CTranslate2's int8 weights, ``native`` OpenVINO's own default precision: bf16 compute
@@ -116,6 +123,9 @@ def make_workload(name: str, model_dir: str, vocab_size: int, seed: int, num_pro
     if name == "tiny":
         num = num_prompts or 32
         return Workload(name, model_dir, random_prompts([64] * num, vocab_size, seed), [128] * num)
+    if name in SHAPED_MODELS:
+        num = num_prompts or 16
+        return Workload(name, model_dir, random_prompts([128] * num, vocab_size, seed), [64] * num)
     lengths = sharegpt_like_lengths(num_prompts or 64, seed)
     return Workload(name, model_dir, random_prompts([p for p, _ in lengths], vocab_size, seed + 1),
                     [o for _, o in lengths])
@@ -222,7 +232,7 @@ def save_tiny_tokenizer(folder: str, vocab_size: int) -> None:
         json.dump({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}, f, indent=2)
 
 
-def _finish_hf_folder(folder: str, rope_theta: float) -> None:
+def _finish_hf_folder(folder: str, rope_theta: float, dtype: str = "float32") -> None:
     """Make config.json and tokenizer_config.json readable by older transformers too (peers pin their own).
 
     transformers 5 writes ``rope_parameters`` and ``dtype``; readers of the 4.x format (ct2's and
@@ -233,8 +243,8 @@ def _finish_hf_folder(folder: str, rope_theta: float) -> None:
     with open(path) as f:
         config = json.load(f)
     config["rope_theta"] = rope_theta
-    config["torch_dtype"] = "float32"
-    config["dtype"] = "float32"
+    config["torch_dtype"] = dtype
+    config["dtype"] = dtype
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
     # transformers 5 names its tokenizer class "TokenizersBackend", unknown to 4.x: the class every
@@ -265,6 +275,45 @@ def build_tiny_model(folder: str, seed: int = 0) -> None:
     model.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, config.vocab_size)
     _finish_hf_folder(folder, 10000.0)
+
+
+# Random models of real models' shapes: transformers config fields (rope_theta also written flat
+# by _finish_hf_folder for older readers).
+SHAPED_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "gemma3-1b": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+}
+
+
+def build_shaped_model(folder: str, name: str, seed: int) -> None:
+    """A random model of SHAPED_MODELS[name], saved in bfloat16 (a float32 copy of Gemma-3-1B is 4 GB)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(SHAPED_MODELS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), bos_token_id=1, eos_token_id=2, pad_token_id=0, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, config.vocab_size)
+    rope = fields["rope_parameters"]
+    _finish_hf_folder(folder, float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]), "bfloat16")
+    if name.startswith("gemma3"):  # the flat fields transformers 4.x reads for the local layers
+        with open(os.path.join(folder, "config.json")) as f:
+            written = json.load(f)
+        written.update(rope_local_base_freq=10000.0, sliding_window_pattern=6)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(written, f, indent=2)
 
 
 def convert_default_model(folder: str) -> None:
@@ -302,7 +351,8 @@ def convert_default_model(folder: str) -> None:
 def ensure_model(workload: str, cache_dir: str, seed: int) -> str:
     folder = os.path.join(cache_dir, workload, "hf")
     marker = os.path.join(folder, "pagedllm_peers.json")
-    recipe = {"recipe": RECIPE_VERSION, "workload": workload, "seed": seed if workload == "tiny" else None}
+    seeded = workload == "tiny" or workload in SHAPED_MODELS
+    recipe = {"recipe": RECIPE_VERSION, "workload": workload, "seed": seed if seeded else None}
     if os.path.isfile(marker):
         with open(marker) as f:
             if json.load(f) == recipe:
@@ -313,6 +363,8 @@ def ensure_model(workload: str, cache_dir: str, seed: int) -> str:
     start = time.perf_counter()
     if workload == "tiny":
         build_tiny_model(folder, seed)
+    elif workload in SHAPED_MODELS:
+        build_shaped_model(folder, workload, seed)
     else:
         convert_default_model(folder)
     with open(marker, "w") as f:
@@ -579,14 +631,15 @@ def compare_token_ids(reference: list[list[int]], other: list[list[int]], max_to
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("tiny", "default"), default="tiny")
+    parser.add_argument("--workload", choices=("tiny", "default", *SHAPED_MODELS), default="tiny")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=("float32", "bfloat16", "int8", "native"))
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per engine (median reported)")
     parser.add_argument("--warmup-tokens", type=int, default=16,
                         help="the warm-up runs every request with its output capped at this")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: 32 (tiny), 64 (default)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default: 32 (tiny), 64 (default), 16 (qwen3-0.6b, gemma3-1b)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=None, help="transformers static batch (default: all)")
     parser.add_argument("--peer-python", action="append", default=[], metavar="[ENGINE=]PATH",

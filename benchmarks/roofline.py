@@ -63,7 +63,7 @@ def linear_params(hf_config) -> tuple[int, int]:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
-    gated = getattr(hf_config, "hidden_act", "") in ("silu", "swiglu") or hf_config.model_type in ("llama", "qwen2")
+    gated = hf_config.model_type not in ("gpt2", "opt", "gpt_neox", "starcoder2")  # the others: gate, up, down
     mlp = (3 if gated else 2) * hidden * intermediate
     return hf_config.num_hidden_layers * (attention + mlp), hidden * hf_config.vocab_size
 

@@ -21,6 +21,9 @@ class CacheConfig:
     num_cpu_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    # The window every attention layer stays within: blocks wholly before it are released as a
+    # sequence grows (None: some layer attends to everything).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +93,9 @@ class ModelConfig:
     # Packed weights with int8 activations (integer dot products): None = wherever the CPU kernels
     # can, True = required, False = float activations (exact dequantized-model results).
     int8_activations: bool | None = None
+    # The sliding window shared by every layer (the widest, where they differ); None when any
+    # layer attends to the whole sequence.
+    sliding_window: int | None = None
 
     @property
     def num_layers(self) -> int:

@@ -10,15 +10,17 @@ from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 
 
-def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads):
-    """For each query at absolute position p: attend to slots of positions 0..p, one token at a time."""
+def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads, window=None,
+                        soft_cap=None):
+    """For each query at absolute position p: attend to slots of positions 0..p (p - window + 1..p
+    with a window), one token at a time; scores soft-capped as cap * tanh(s / cap) with a cap."""
     block_size = k_cache.shape[1]
     group = num_heads // num_kv_heads
     head_dim = k_cache.shape[-1]
     out = torch.zeros(len(positions), num_heads, head_dim, dtype=torch.float64)
     for qi, pos in enumerate(positions):
         keys, values = [], []
-        for p in range(pos + 1):
+        for p in range(max(0, pos - window + 1) if window else 0, pos + 1):
             block = block_table[p // block_size]
             keys.append(k_cache[block, p % block_size].double())
             values.append(v_cache[block, p % block_size].double())
@@ -26,16 +28,22 @@ def reference_attention(query, k_cache, v_cache, block_table, positions, num_hea
         for h in range(num_heads):
             kv_head = h // group
             scores = keys[:, kv_head] @ query[qi, h].double() / math.sqrt(head_dim)
+            if soft_cap:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             out[qi, h] = torch.softmax(scores, 0) @ values[:, kv_head]
     return out
 
 
-def _make_case(seed, kind, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64):
+def _make_case(seed, kind, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64, released=False):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    free = list(range(num_blocks))
+    # With released blocks, block 0 (what a released entry reads as) holds huge values that would
+    # show in any output that read them.
+    free = list(range(1 if released else 0, num_blocks))
+    if released:
+        k_cache[0] = v_cache[0] = 1e4
     rng.shuffle(free)  # physical blocks anywhere in the pool
     seqs = []
     for _ in range(rng.randint(1, 4)):
@@ -55,9 +63,9 @@ def _make_case(seed, kind, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4
     return k_cache, v_cache, seqs
 
 
-def _run(seed, kind, use_cpu_kernel=True, head_dim=8):
+def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None):
     num_heads, num_kv_heads, block_size = 4, 2, 4
-    k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim)
+    k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim, released=window is not None)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     total_new = sum(new for _, new, _ in seqs)
     query = torch.randn(total_new, num_heads * head_dim)
@@ -70,16 +78,22 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8):
         slots += [table[p // block_size] * block_size + p % block_size for p in positions]
         starts.append(starts[-1] + new)
     max_blocks = max(len(t) for _, _, t in seqs)
+    # As the block manager does with a window: blocks wholly before the first query's window are
+    # released, their entries read as block 0.
+    tables = [
+        [0 if window and b < max(0, cached - window + 1) // block_size else block for b, block in enumerate(t)]
+        for cached, _, t in seqs
+    ]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         query_lens=[new for _, new, _ in seqs],
         query_start_loc=starts,
         context_lens=torch.tensor([c + n for c, n, _ in seqs]),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs]),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
         num_cached_tokens=[c for c, _, _ in seqs],
         max_context_len=max(c + n for c, n, _ in seqs),
     )
-    attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim))
+    attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
     attn.use_cpu_kernel = use_cpu_kernel
     out = attn(query, key, value, (k_cache, v_cache), meta).view(total_new, num_heads, head_dim)
     # The reference writes through slot_mapping by hand, token by token.
@@ -90,7 +104,8 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8):
     q = query.view(total_new, num_heads, head_dim)
     for i, (_, _, table) in enumerate(seqs):
         start, end = starts[i], starts[i + 1]
-        expected = reference_attention(q[start:end], ref_k, ref_v, table, positions_per_seq[i], num_heads, num_kv_heads)
+        expected = reference_attention(q[start:end], ref_k, ref_v, table, positions_per_seq[i], num_heads, num_kv_heads,
+                                       window, soft_cap)
         torch.testing.assert_close(out[start:end].double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -113,6 +128,15 @@ def test_mixed_batch_matches_reference(use_cpu_kernel, head_dim):
     (reading blocks in place) against attention computed token by token."""
     for seed in range(8):
         _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
+@pytest.mark.parametrize("use_cpu_kernel", [False, True])
+def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):
+    """Mixed batches through a sliding window (blocks before it released) and soft-capped scores."""
+    for seed in range(8):
+        for head_dim in (8, 64):
+            _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim, window=window, soft_cap=soft_cap)
 
 
 def test_cpu_kernel_builds_here():

@@ -107,7 +107,7 @@ def test_default_model_accuracy_with_int8_activations():
                                                   os.path.join(ROOT, "benchmarks", "int8_activations.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS[:8])
+    result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS[:8], text_tokens=1024)
     assert result["perplexity_ratio"] <= 1.01, result
     assert result["agreement_teacher_forced"] >= 0.95, result
     assert np.isfinite(result["perplexity_float"])

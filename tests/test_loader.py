@@ -131,12 +131,13 @@ def test_dtype_and_max_model_len(tiny_llama) -> None:
         load_model_config(folder, max_model_len=65)
 
 
-def test_sliding_window_caps_max_model_len(tmp_path) -> None:
+def test_sliding_window_does_not_cap_max_model_len(tmp_path) -> None:
     config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                         sliding_window=100)
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    assert load_model_config(str(tmp_path)).max_model_len == 100
+    model_config = load_model_config(str(tmp_path))
+    assert model_config.max_model_len == 512 and model_config.sliding_window == 100
 
 
 # ---------------------------------------------------------------- checkpoint formats
@@ -270,8 +271,8 @@ def test_folder_without_tokenizer(tiny_llama) -> None:
 
 def test_unsupported_rope_scaling_refused_early(tmp_path) -> None:
     config = tiny_llama_config(architectures=["LlamaForCausalLM"],
-                               rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+                               rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0})
     config.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config is refused first
-    with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"):
+    with pytest.raises(ValueError, match="rope scaling type 'proportional' is not supported"):
         load_model_config(str(tmp_path))

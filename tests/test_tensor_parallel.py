@@ -101,7 +101,7 @@ def _build_shards(model_dir: str, world_size: int) -> tuple[torch.nn.Module, lis
 _SPLIT = {
     "llama": {"qkv_proj.weight": 0, "o_proj.weight": 1, "gate_up_proj.weight": 0, "down_proj.weight": 1,
               "embed_tokens.weight": 0, "lm_head.weight": 0},
-    "gpt2": {"c_attn.weight": 0, "c_attn.bias": 0, "attn.c_proj.weight": 1, "c_fc.weight": 0, "c_fc.bias": 0,
+    "gpt2": {"qkv_proj.weight": 0, "qkv_proj.bias": 0, "out_proj.weight": 1, "c_fc.weight": 0, "c_fc.bias": 0,
              "mlp.c_proj.weight": 1, "wte.weight": 0},
     "opt": {"qkv_proj.weight": 0, "qkv_proj.bias": 0, "out_proj.weight": 1, "fc1.weight": 0, "fc1.bias": 0,
             "fc2.weight": 1, "embed_tokens.weight": 0},

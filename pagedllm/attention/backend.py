@@ -15,11 +15,17 @@ On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: th
 kernel for all-decode steps, the chunked kernel for mixed ones. Elsewhere, or when the kernels
 are unavailable, the torch-native path (the reference) gathers the blocks into a temporary
 tensor for that step only. Nothing contiguous is kept between steps.
+
+A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p only; the
+block manager may then have released blocks wholly before every layer's window, and their
+table entries point at block 0: such positions are never read by the kernels and are masked out
+in the torch paths. Attention soft-capping (Gemma 2) squashes the scores with cap * tanh(s / cap)
+before the softmax.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -40,8 +46,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64 (device), padded with 0
     num_cached_tokens: list[int]  # per sequence: tokens already in the cache before this step
     max_context_len: int
-    # Filled lazily by the first layer that needs it, then reused by all others.
-    decode_mask: torch.Tensor | None = None
+    # Filled lazily by the first layer that needs one (per sliding window; 0: none), reused by the others.
+    decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # In a decode_part: its rows in the whole batch.
     decode_rows: torch.Tensor | None = None
 
@@ -101,14 +107,26 @@ def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: i
 class PagedAttention(nn.Module):
     """Multi-head / grouped-query attention over a paged KV cache."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         # The fused C++ kernel reads blocks in place on CPU; tests switch it off to compare paths.
         self.use_cpu_kernel = True
 
@@ -147,10 +165,27 @@ class PagedAttention(nn.Module):
     def _causal(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, end: int
     ) -> torch.Tensor:
+        """Attention of new tokens start..end over themselves only (a sequence with nothing cached)."""
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         k = key[start:end].transpose(0, 1).unsqueeze(0)
         v = value[start:end].transpose(0, 1).unsqueeze(0)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return self._attend_chunk(q, k, v, 0)
+
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+        """[n, H, D] output of a chunk's queries q ([1, H, n, D], at positions num_cached ..) over
+        its keys/values k, v ([1, Hkv, num_cached + n, D], from position 0)."""
+        total = k.shape[2]
+        window = self.sliding_window
+        if num_cached == 0 and (window is None or window >= total) and self.logits_soft_cap is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            # Query j sits at absolute position num_cached + j and sees keys max(0, pos - W + 1) .. pos.
+            q_pos = torch.arange(num_cached, total, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            attn = self._attend(q, k, v, mask)
         return attn.squeeze(0).transpose(0, 1)
 
     def _attend_mixed(
@@ -165,7 +200,7 @@ class PagedAttention(nn.Module):
         if self.use_cpu_kernel:
             out = paged_chunked_attention(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
-                self.scale,
+                self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0,
             )
             if out is not None:
                 return out
@@ -181,36 +216,49 @@ class PagedAttention(nn.Module):
             if cached[i] == 0:
                 out[start:end] = self._causal(query, key, value, start, end)
                 continue
-            # The chunk's own keys are in the cache already: read them with the context.
+            # The chunk's own keys are in the cache already: read them with the context (released
+            # blocks read as block 0 and fall outside the window mask).
             total = cached[i] + num_new
             table = meta.block_tables[i : i + 1]
             k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
             v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
-            # Query j sits at absolute position cached + j and sees keys 0..cached + j.
-            q_pos = torch.arange(cached[i], total, device=query.device).unsqueeze(1)
-            k_pos = torch.arange(total, device=query.device).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)
-            mask = k_pos <= q_pos
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start:end] = attn.squeeze(0).transpose(0, 1)
+            out[start:end] = self._attend_chunk(q, k, v, cached[i])
         return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale [soft-capped], masked) v over [B, H, q, D] / [B, Hkv, L, D]."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        cap = self.logits_soft_cap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (self.scale / cap)) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """One query per sequence, attending over all of its blocks."""
+        """One query per sequence, attending over its blocks (the last W positions with a window)."""
         if self.use_cpu_kernel:
             out = paged_decode_attention(
-                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, self.scale
+                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, self.scale,
+                self.sliding_window or 0, self.logits_soft_cap or 0.0,
             )
             if out is not None:
                 return out
         length = meta.max_context_len
         k = gather_from_cache(kv_cache[0], meta.block_tables, length).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_from_cache(kv_cache[1], meta.block_tables, length).transpose(1, 2)
-        if meta.decode_mask is None:
-            positions = torch.arange(length, device=query.device)
-            meta.decode_mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1))[:, None, None, :]
-        q = query.unsqueeze(2)  # [B, H, 1, D]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
-        return attn.squeeze(2)
+        window = self.sliding_window or 0
+        mask = meta.decode_masks.get(window)
+        if mask is None:
+            positions = torch.arange(length, device=query.device).unsqueeze(0)
+            context_lens = meta.context_lens.unsqueeze(1)
+            mask = positions < context_lens
+            if window:
+                mask &= positions >= context_lens - window
+            mask = meta.decode_masks[window] = mask[:, None, None, :]
+        return self._attend(query.unsqueeze(2), k, v, mask).squeeze(2)

@@ -86,14 +86,21 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor | None:
-    """[B, Hq, D] attention output, or None when the kernel cannot serve this call."""
+    """[B, Hq, D] attention output, or None when the kernel cannot serve this call.
+
+    ``sliding_window`` > 0: only each sequence's last that many positions are attended;
+    ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax."""
     if query.device.type != "cpu":
         return None
     module = load_cpu_kernels()
     if module is None:
         return None
-    return module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return module.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap
+    )
 
 
 def paged_chunked_attention(
@@ -104,15 +111,21 @@ def paged_chunked_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor | None:
     """[T, Hq, D] causal attention of every query token over its sequence's cached context and
-    itself (the step's K/V already written), or None when the kernel cannot serve this call."""
+    itself (the step's K/V already written), or None when the kernel cannot serve this call.
+
+    ``sliding_window`` and ``logits_soft_cap`` as in ``paged_decode_attention`` (0: off)."""
     if query.device.type != "cpu":
         return None
     module = load_cpu_kernels()
     if module is None:
         return None
-    return module.paged_chunked_attention(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return module.paged_chunked_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, logits_soft_cap
+    )
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -55,6 +55,8 @@ class PhysicalBlock:
 class BlockTable:
     """The blocks of one sequence, in logical order, plus its prefix-cache progress.
 
+    ``num_dropped`` counts leading logical blocks released because no attention layer reads them
+    any more (sliding windows): they hold no physical block, and their ids read as 0.
     ``num_promoted`` counts leading blocks already considered for the prefix cache, so that
     ``mark_computed`` is O(new blocks) per step rather than O(sequence length).
     ``chain_content_id`` is the cache entry of the last promoted block: the parent of the next
@@ -63,16 +65,28 @@ class BlockTable:
     block's identity depends on it.
     """
 
-    blocks: list[PhysicalBlock] = field(default_factory=list)
+    blocks: list[PhysicalBlock] = field(default_factory=list)  # the held blocks, from logical num_dropped on
+    num_dropped: int = 0
     num_promoted: int = 0
     chain_content_id: int | None = None
     chain_broken: bool = False
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        """The number of logical blocks, released ones included."""
+        return self.num_dropped + len(self.blocks)
+
+    def _held_index(self, index: int) -> int:
+        if index < 0:
+            index += len(self)
+        if index < self.num_dropped:
+            raise IndexError(f"logical block {index} was released (outside every sliding window)")
+        return index - self.num_dropped
 
     def __getitem__(self, index: int) -> PhysicalBlock:
-        return self.blocks[index]
+        return self.blocks[self._held_index(index)]
+
+    def __setitem__(self, index: int, block: PhysicalBlock) -> None:
+        self.blocks[self._held_index(index)] = block
 
     def __iter__(self):
         return iter(self.blocks)
@@ -81,12 +95,20 @@ class BlockTable:
         self.blocks.append(block)
 
     def block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks]
+        return [0] * self.num_dropped + [block.block_id for block in self.blocks]
+
+    def drop_front(self, num_logical: int) -> list[PhysicalBlock]:
+        """Release the logical blocks before ``num_logical``; returns the blocks to free."""
+        count = max(0, num_logical - self.num_dropped)
+        released, self.blocks = self.blocks[:count], self.blocks[count:]
+        self.num_dropped += len(released)
+        return released
 
     def copy(self) -> BlockTable:
         """Same physical blocks (the caller takes the extra references), own list."""
         return BlockTable(
             blocks=list(self.blocks),
+            num_dropped=self.num_dropped,
             num_promoted=self.num_promoted,
             chain_content_id=self.chain_content_id,
             chain_broken=self.chain_broken,

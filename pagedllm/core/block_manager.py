@@ -68,6 +68,7 @@ class BlockSpaceManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -77,6 +78,9 @@ class BlockSpaceManager:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        # Every attention layer reads only the last sliding_window positions: blocks wholly before
+        # that are released as a sequence grows.
+        self.sliding_window = sliding_window
         # Admission keeps this many blocks free so running sequences can grow without an
         # immediate preemption (vLLM's watermark).
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -253,6 +257,12 @@ class BlockSpaceManager:
         """
         table = self.block_tables[seq.seq_id]
         bs = self.block_size
+        if self.sliding_window is not None:
+            # This step's first query sits at num_computed_tokens and reads keys from
+            # num_computed_tokens - window + 1 on; later steps read later keys only.
+            first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+            for block in table.drop_front(first_needed // bs):
+                self.gpu_allocator.free(block)
         num_blocks = _cdiv(seq.get_len(), bs)
         copies: list[tuple[int, int]] = []
         for i in range(seq.num_computed_tokens // bs, min(len(table), num_blocks)):
@@ -261,7 +271,7 @@ class BlockSpaceManager:
                 # Full blocks are never written, so a block copied here is never a cached one.
                 new_block = self.gpu_allocator.allocate()
                 self.gpu_allocator.free(block)
-                table.blocks[i] = new_block
+                table[i] = new_block
                 copies.append((block.block_id, new_block.block_id))
                 self.num_cow_copies += 1
         while len(table) < num_blocks:
@@ -320,6 +330,9 @@ class BlockSpaceManager:
         if table is None or table.chain_broken:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if table.num_promoted < table.num_dropped:
+            table.chain_broken = True  # released before being offered: later blocks cannot chain
+            return
         if table.num_promoted >= num_full:
             return
         hashes = self._block_hashes(seq)
@@ -433,8 +446,9 @@ class BlockSpaceManager:
             if not table or table[-1].device != GPU or table[-1].block_id in seen_last_blocks:
                 continue
             seen_last_blocks.add(table[-1].block_id)
-            slots = len(table) * self.block_size
-            usage.append((seq.seq_id, min(seq.get_len(), slots), slots))
+            # Blocks released outside a sliding window hold neither tokens nor slots.
+            slots = len(table.blocks) * self.block_size
+            usage.append((seq.seq_id, min(seq.get_len() - table.num_dropped * self.block_size, slots), slots))
         return usage
 
     def num_spare_blocks(self) -> int:
@@ -484,7 +498,7 @@ class BlockSpaceManager:
         for seq_id, table in self.block_tables.items():
             devices = {block.device for block in table}
             assert len(devices) <= 1, f"sequence {seq_id} has blocks in both pools"
-            assert len({id(block) for block in table}) == len(table), f"sequence {seq_id} maps a block twice"
+            assert len({id(block) for block in table}) == len(table.blocks), f"sequence {seq_id} maps a block twice"
             for block in table:
                 assert block.ref_count > 0, f"sequence {seq_id} maps freed {block}"
                 refs[block.device] += 1

@@ -129,6 +129,7 @@ class Scheduler:
                 num_cpu_blocks=num_cpu_blocks,
                 watermark=scheduler_config.watermark,
                 enable_prefix_caching=cache_config.enable_prefix_caching,
+                sliding_window=cache_config.sliding_window,
             )
         else:
             # The paper's contiguous baselines: same interface, one reserved run per sequence.

@@ -132,6 +132,7 @@ class LLMEngine:
             num_kv_blocks=args.num_kv_blocks,
             swap_space=args.swap_space,
             enable_prefix_caching=args.enable_prefix_caching,
+            sliding_window=model_config.sliding_window,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -25,7 +25,23 @@ logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF architecture (llama.cpp's name) -> the transformers model_type of the same model.
+GGUF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "gptneox": "gpt_neox",
+}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_MODEL_TYPES)
+# llama.cpp stores Gemma's norm weights with the 1 of ``1 + weight`` added.
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+# Only llama.cpp's Llama permutes q/k rows for its interleaved rope; the others use halves as HF does.
+_PERMUTED_ROPE = ("llama",)
+# Tensors that hold settings, read into the config rather than loaded as weights.
+_SETTING_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: loaded as float tensors
 _WARNED_TYPES: set[str] = set()
 
@@ -190,19 +206,54 @@ def check_gguf_supported(gguf_file: GGUFFile) -> None:
             f"GGUF file {gguf_file.path!r} has architecture {arch!r}; pagedllm loads GGUF models of architecture "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} only (use a Hugging Face folder for others)."
         )
-    if "rope_freqs.weight" in gguf_file.tensors:
+    if "rope_freqs.weight" in gguf_file.tensors and arch == "llama":
         raise ValueError(
             f"GGUF file {gguf_file.path!r} carries per-frequency rope factors (rope_freqs, Llama-3.1 style rope "
             "scaling), which the GGUF loader does not support; load the Hugging Face checkpoint instead."
         )
     scaling = _arch_key(gguf_file.metadata, arch, "rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
+    longrope = arch == "phi3" and "rope_factors_long.weight" in gguf_file.tensors
+    if scaling not in (None, "none", "linear") and not longrope:
         raise ValueError(f"GGUF file {gguf_file.path!r}: rope scaling type {scaling!r} is not supported.")
 
 
+def _tensor_values(gguf_file: GGUFFile, name: str) -> list[float]:
+    """A small float32 tensor's values (rope factors)."""
+    info = gguf_file.tensors[name]
+    if info.ggml_type != 0:
+        raise ValueError(f"GGUF file {gguf_file.path!r}: tensor {name!r} is not F32.")
+    with open(gguf_file.path, "rb") as file:
+        return _read_bytes(file, info.offset, info.nbytes).view(np.float32).tolist()
+
+
+def _rope_parameters(gguf_file: GGUFFile, head_dim: int) -> dict[str, Any]:
+    meta, arch = gguf_file.metadata, gguf_file.architecture
+    theta = float(_arch_key(meta, arch, "rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    rotary_dim = int(_arch_key(meta, arch, "rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    if _arch_key(meta, arch, "rope.scaling.type") == "linear":
+        params.update(rope_type="linear", factor=float(_arch_key(meta, arch, "rope.scaling.factor", 1.0)))
+    if "rope_factors_long.weight" in gguf_file.tensors:  # Phi-3's longrope
+        params.update(
+            rope_type="longrope",
+            long_factor=_tensor_values(gguf_file, "rope_factors_long.weight"),
+            short_factor=_tensor_values(gguf_file, "rope_factors_short.weight"),
+            original_max_position_embeddings=int(_arch_key(meta, arch, "rope.scaling.original_context_length")),
+        )
+        attn_factor = _arch_key(meta, arch, "rope.scaling.attn_factor")
+        if attn_factor is not None:
+            params["attention_factor"] = float(attn_factor)
+    return params
+
+
 def gguf_to_hf_config(gguf_file: GGUFFile) -> Any:
-    """A transformers ``LlamaConfig`` equivalent to the GGUF metadata (no tensor data is read)."""
-    from transformers import LlamaConfig
+    """The transformers config of the model the GGUF metadata describes (no tensor data is read
+    but rope factors), with the settings llama.cpp fixes per architecture made explicit."""
+    from transformers import AutoConfig
+
+    from pagedllm.models.families import FAMILIES
 
     check_gguf_supported(gguf_file)
     meta = gguf_file.metadata
@@ -225,31 +276,56 @@ def gguf_to_hf_config(gguf_file: GGUFFile) -> Any:
         if "token_embd.weight" not in gguf_file.tensors:
             raise ValueError(f"GGUF file {gguf_file.path!r} has neither a vocabulary nor token_embd.weight.")
         vocab_size = gguf_file.tensors["token_embd.weight"].shape[0]
-    rope_parameters: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": float(_arch_key(meta, arch, "rope.freq_base", 10000.0)),
-    }
-    if _arch_key(meta, arch, "rope.scaling.type") == "linear":
-        rope_parameters.update(rope_type="linear", factor=float(_arch_key(meta, arch, "rope.scaling.factor", 1.0)))
-    config = LlamaConfig(
+    model_type = GGUF_MODEL_TYPES[arch]
+    rope_parameters = _rope_parameters(gguf_file, head_dim)
+    tensors = gguf_file.tensors
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=n_layers,
         num_attention_heads=n_head,
-        num_key_value_heads=n_kv,
-        head_dim=head_dim,
         max_position_embeddings=int(_arch_key(meta, arch, "context_length", 2048)),
-        rms_norm_eps=float(_arch_key(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_parameters=rope_parameters,
-        tie_word_embeddings="output.weight" not in gguf_file.tensors,
-        attention_bias="blk.0.attn_q.bias" in gguf_file.tensors,
+        tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        architectures=["LlamaForCausalLM"],
+        architectures=[FAMILIES[model_type].architectures[0]],
     )
-    return config
+    if arch == "gptneox":
+        kwargs.update(
+            layer_norm_eps=float(_arch_key(meta, arch, "attention.layer_norm_epsilon", 1e-5)),
+            use_parallel_residual=bool(_arch_key(meta, arch, "use_parallel_residual", True)),
+            attention_bias="blk.0.attn_qkv.bias" in tensors,
+        )
+    else:
+        kwargs.update(
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(_arch_key(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6)),
+        )
+    if arch in ("llama", "qwen3"):
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    window = _arch_key(meta, arch, "attention.sliding_window")
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp: 1/sqrt(hidden / heads) for the 27B models (46 / 62 layers), 1/sqrt(head_dim) otherwise.
+        big = n_layers == (46 if arch == "gemma2" else 62)
+        every = 2 if arch == "gemma2" else 6  # one global layer in every 2 (Gemma 2) / 6 (Gemma 3)
+        kwargs.update(
+            sliding_window=window,
+            query_pre_attn_scalar=hidden // n_head if big else head_dim,
+            layer_types=["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)],
+            attn_logit_softcapping=_arch_key(meta, arch, "attn_logit_softcapping"),
+            final_logit_softcapping=_arch_key(meta, arch, "final_logit_softcapping"),
+        )
+        if arch == "gemma3":  # local layers keep llama.cpp's fixed base
+            rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": rope_parameters}
+    if arch == "phi3":
+        kwargs["sliding_window"] = window or None
+        if rope_parameters["rope_type"] == "longrope":
+            kwargs["original_max_position_embeddings"] = rope_parameters["original_max_position_embeddings"]
+    return AutoConfig.for_model(model_type, rope_parameters=rope_parameters, **kwargs)
 
 
 _LAYER_NAMES = {
@@ -258,10 +334,25 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Where an architecture names a tensor differently (fused or plain MLPs, Gemma's four norms).
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gptneox": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -270,16 +361,17 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_name_to_hf(name: str) -> str:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
     stem, _, suffix = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        if part in _LAYER_NAMES and layer.isdigit():
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        if part in names and layer.isdigit():
+            return f"model.layers.{layer}.{names[part]}.{suffix}"
     elif stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the Llama model (unsupported variant?).")
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the {arch} model (unsupported variant?).")
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, packed: bool = True) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
@@ -296,6 +388,8 @@ def iter_gguf_weights(gguf_file: GGUFFile, packed: bool = True) -> Iterator[tupl
     arch = gguf_file.architecture
     n_head = int(_arch_key(meta, arch, "attention.head_count"))
     n_kv = int(_arch_key(meta, arch, "attention.head_count_kv", n_head))
+    if arch not in _PERMUTED_ROPE:
+        n_head = n_kv = 0  # nothing to un-permute
     data = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
     with open(gguf_file.path, "rb") as file:
         yield from _gguf_tensors(gguf_file, data, file, packed, n_head, n_kv)
@@ -316,17 +410,17 @@ def _gguf_tensors(gguf_file: GGUFFile, data: np.ndarray, file: Any, packed: bool
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
+    arch = gguf_file.architecture
     for info in gguf_file.tensors.values():
-        hf_name = gguf_name_to_hf(info.name)
+        if info.name in _SETTING_TENSORS:
+            continue
+        hf_name = gguf_name_to_hf(info.name, arch)
         qtype = GGMLQuantizationType(info.ggml_type)
         raw = data[info.offset:info.offset + info.nbytes]
         fmt = GGUF_PACKED_TYPES.get(qtype.name)
         if packed and fmt is not None and len(info.shape) == 2:
             rows = _read_bytes(file, info.offset, info.nbytes).reshape(info.shape[0], fmt.row_bytes(info.shape[1]))
-            if ".attn_q." in info.name:
-                rows = _unpermute_rope_rows(rows, n_head)
-            elif ".attn_k." in info.name:
-                rows = _unpermute_rope_rows(rows, n_kv)
+            rows = _unpermute(info.name, rows, n_head, n_kv)
             yield hf_name, PackedTensor(torch.from_numpy(np.ascontiguousarray(rows)), fmt, info.shape[1])
             continue
         if packed and qtype not in _FLOAT_TYPES and qtype.name not in _WARNED_TYPES:
@@ -348,8 +442,16 @@ def _gguf_tensors(gguf_file: GGUFFile, data: np.ndarray, file: Any, packed: bool
                     f"cannot dequantize ({e})."
                 ) from None
             w = w.astype(np.float32, copy=False).reshape(info.shape)
-        if ".attn_q." in info.name:
-            w = _unpermute_rope_rows(w, n_head)
-        elif ".attn_k." in info.name:
-            w = _unpermute_rope_rows(w, n_kv)
+        w = _unpermute(info.name, w, n_head, n_kv)
+        if arch in _NORMS_PLUS_ONE and info.name.endswith("norm.weight"):
+            w = w - 1.0
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _unpermute(name: str, w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
+    """q/k rows back in HF's order where llama.cpp permuted them (n_head 0: it did not)."""
+    if n_head and ".attn_q." in name:
+        return _unpermute_rope_rows(w, n_head)
+    if n_kv and ".attn_k." in name:
+        return _unpermute_rope_rows(w, n_kv)
+    return w

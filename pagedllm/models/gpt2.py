@@ -6,47 +6,33 @@ transpose those weights on load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.models.layers import WeightLoader, get_activation
+from pagedllm.attention import AttentionMetadata
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.layers import get_activation
+from pagedllm.models.mha import MultiHeadAttention
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_logits,
 )
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+# HF's attention names -> the shared attention's (HF stores q, k, v stacked in one c_attn tensor;
+# the fused layer splits it per part, then per rank).
+_ATTENTION_NAMES = ((".attn.c_attn.", ".attn.qkv_proj."), (".attn.c_proj.", ".attn.out_proj."))
 
 
-class GPT2Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        self.head_dim = hidden // total_heads
-        scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
-        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-            scale /= float(layer_idx + 1)
-        # HF stores q, k, v stacked in one c_attn tensor; the layer splits it per part, then per rank.
-        self.c_attn = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=True)
-        self.num_heads = self.c_attn.num_local_heads
-        self.local_size = self.num_heads * self.head_dim
-        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=scale)
-
-    def forward(
-        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
-    ) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).split(self.local_size, dim=-1)
-        return self.c_proj(self.attn(q, k, v, kv_cache, meta))
+def gpt2_attention(config: Any, layer_idx: int) -> MultiHeadAttention:
+    head_dim = config.hidden_size // config.num_attention_heads
+    scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scale /= float(layer_idx + 1)
+    return MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True, scale=scale)
 
 
 class GPT2MLP(nn.Module):
@@ -67,7 +53,7 @@ class GPT2Block(nn.Module):
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = gpt2_attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
@@ -102,45 +88,28 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     def __init__(self, hf_config: Any) -> None:
-        super().__init__()
-        self.config = hf_config
+        super().__init__(hf_config, tie_default=True)
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention is not supported.")
         self.transformer = GPT2Model(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.add_lm_head(hf_config.hidden_size)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        attn_metadata: AttentionMetadata | None,
-    ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
+    def backbone(self) -> nn.Module:
+        return self.transformer
 
-    def logits_head(self) -> nn.Module:
-        """The module whose weight is the output projection (the embedding when tied)."""
-        return self.transformer.wte if self.tie_word_embeddings else self.lm_head
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.transformer.wte
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
-        return lm_logits(hidden, self.logits_head())
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (with or without the ``transformer.`` prefix); Conv1D weights are transposed."""
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # causal-mask buffers of old checkpoints
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if not name.startswith(("transformer.", "lm_head.")):
-                name = "transformer." + name
-            if name.endswith(_CONV1D):
-                tensor = tensor.t()
-            loader.load(name, tensor)
-        return loader.finish()
+    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """HF names with or without the ``transformer.`` prefix; Conv1D weights are transposed."""
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            return None  # causal-mask buffers of old checkpoints
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name
+        if name.endswith(_CONV1D):
+            tensor = tensor.t()
+        for old, new in _ATTENTION_NAMES:
+            name = name.replace(old, new)
+        return name, tensor

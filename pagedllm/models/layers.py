@@ -1,8 +1,7 @@
-"""Building blocks shared by the model files: norms, rotary embedding, weight copying."""
+"""Building blocks shared by the model files: activations, norms, weight copying."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,74 +44,23 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The rope settings of a config, whether transformers 5 (rope_parameters) or 4 (rope_theta + rope_scaling)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        out = dict(params)
-    else:
-        out = dict(getattr(config, "rope_scaling", None) or {})
-        out.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    out.setdefault("rope_theta", 10000.0)
-    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
-    return out
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (weights stored as offsets from one), in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), self.normalized_shape, self.weight.float() + 1.0, self.eps)
+        return out.to(x.dtype)
 
 
-def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding; supports default, linear and llama3 scaling."""
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        factor = float(params["factor"])
-        low_freq_factor = float(params["low_freq_factor"])
-        high_freq_factor = float(params["high_freq_factor"])
-        old_context_len = float(params["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)."
-    )
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (HF Llama's rotate_half) with a precomputed cos/sin table.
-
-    The table is float32 and kept outside the parameters/buffers so that ``model.to(bfloat16)``
-    does not round it; it follows the input's device on first use.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, params)
-        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)
-        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, head_dim]
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, each [T, 1, head_dim // 2]; computed once per step, used by every layer."""
-        if self.cos_sin_cache.device != positions.device:
-            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
-        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, n_heads, head_dim] -> rotated copy (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def make_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    """``rms`` (Llama), ``gemma_rms`` (1 + weight) or ``layer`` (LayerNorm with bias)."""
+    if kind == "rms":
+        return RMSNorm(hidden_size, eps)
+    if kind == "gemma_rms":
+        return GemmaRMSNorm(hidden_size, eps)
+    if kind == "layer":
+        return nn.LayerNorm(hidden_size, eps=eps)
+    raise ValueError(f"unknown norm kind {kind!r}")
 
 
 def copy_checked(what: str, target: Any, tensor: Any) -> None:

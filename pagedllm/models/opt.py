@@ -6,46 +6,24 @@ hidden states projected out, so ``forward`` returns ``[T, word_embed_proj_dim]``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.attention import AttentionMetadata
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import PackableLinear
-from pagedllm.models.layers import WeightLoader, get_activation
+from pagedllm.models.layers import get_activation
+from pagedllm.models.mha import MultiHeadAttention
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_logits,
 )
 
 # OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
 POSITION_OFFSET = 2
-
-
-class OPTAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        self.head_dim = hidden // total_heads
-        bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias)
-        self.num_heads = self.qkv_proj.num_local_heads
-        self.local_size = self.num_heads * self.head_dim
-        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
-
-    def forward(
-        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata | None
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.local_size, dim=-1)
-        return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -55,7 +33,8 @@ class OPTDecoderLayer(nn.Module):
         bias = bool(getattr(config, "enable_bias", True))
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
         self.do_layer_norm_before = bool(config.do_layer_norm_before)
-        self.self_attn = OPTAttention(config)
+        self.self_attn = MultiHeadAttention(hidden, config.num_attention_heads, bias=bias,
+                                            scale=(hidden // config.num_attention_heads) ** -0.5)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias)
         self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias)
@@ -117,7 +96,7 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -125,38 +104,16 @@ class OPTForCausalLM(nn.Module):
     }
 
     def __init__(self, hf_config: Any) -> None:
-        super().__init__()
-        self.config = hf_config
+        super().__init__(hf_config, tie_default=True)
         self.model = OPTModel(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            proj_dim = getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, proj_dim)
+        self.add_lm_head(getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        attn_metadata: AttentionMetadata | None,
-    ) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
+    def backbone(self) -> nn.Module:
+        return self.model.decoder
 
-    def logits_head(self) -> nn.Module:
-        """The module whose weight is the output projection (the embedding when tied)."""
-        return self.model.decoder.embed_tokens if self.tie_word_embeddings else self.lm_head
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.decoder.embed_tokens
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
-        return lm_logits(hidden, self.logits_head())
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (``model.decoder.*``, or the original ``decoder.*``)."""
-        loader = WeightLoader(self, self.stacked_params)
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name.startswith("decoder."):
-                name = "model." + name
-            loader.load(name, tensor)
-        return loader.finish()
+    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """HF names (``model.decoder.*``), or the original ``decoder.*``."""
+        return ("model." + name if name.startswith("decoder.") else name), tensor

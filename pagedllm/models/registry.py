@@ -7,19 +7,17 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.models.families import FAMILIES
+
 # architecture name -> (module under pagedllm.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    **{arch: ("decoder", "DecoderForCausalLM") for family in FAMILIES.values() for arch in family.architectures},
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
 }
 # For configs saved without ``architectures`` (e.g. a bare LlamaConfig).
 _MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
+    **{model_type: family.architectures[0] for model_type, family in FAMILIES.items()},
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
 }
@@ -29,23 +27,26 @@ def supported_architectures() -> list[str]:
     return list(_MODELS)
 
 
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"Model architecture {what} is not supported. Supported architectures: {', '.join(_MODELS)}.")
+
+
 def resolve_architecture(hf_config: Any) -> str:
     """The architecture name a config declares (``architectures[0]``, else from ``model_type``); validated."""
     archs = getattr(hf_config, "architectures", None) or []
-    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(getattr(hf_config, "model_type", ""), "")
+    model_type = getattr(hf_config, "model_type", "")
+    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(model_type, "")
     if arch not in _MODELS:
-        shown = arch or f"model_type={getattr(hf_config, 'model_type', None)!r}"
-        raise ValueError(
-            f"Model architecture {shown} is not supported. Supported architectures: {', '.join(_MODELS)}."
-        )
+        raise _unsupported(arch or f"model_type={model_type!r}")
+    if _MODELS[arch][0] == "decoder" and model_type not in FAMILIES:
+        # The class name alone is not enough: the decoder reads the family from model_type.
+        raise _unsupported(f"{arch} (model_type={model_type!r})")
     return arch
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
-        raise ValueError(
-            f"Model architecture {architecture!r} is not supported. Supported architectures: {', '.join(_MODELS)}."
-        )
+        raise _unsupported(repr(architecture))
     module_name, class_name = _MODELS[architecture]
     module = importlib.import_module(f"pagedllm.models.{module_name}")
     return getattr(module, class_name)

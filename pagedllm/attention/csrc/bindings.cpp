@@ -4,10 +4,12 @@
 #include <tuple>
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window, double logits_soft_cap);
 torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor context_lens, double scale);
+                                      torch::Tensor context_lens, double scale, int64_t sliding_window,
+                                      double logits_soft_cap);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits);
 torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, c10::optional<torch::Tensor> rows);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, int64_t format, int64_t k,

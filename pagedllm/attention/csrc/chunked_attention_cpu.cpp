@@ -12,6 +12,11 @@
 // serves every query token of the tile and every query head sharing the KV head (grouped-query
 // attention). Values are read in place, row by row. Softmax and accumulation are in float32
 // whatever the cache's type.
+//
+// A sliding window W lets the query at position p see keys p - W + 1 .. p only: the tile's walk
+// starts at the block holding its first row's first key, so blocks before it are never touched
+// (the block manager may have released them). A soft cap c (Gemma 2) replaces each score s by
+// c * tanh(s / c) before the softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -38,11 +43,14 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
                   const int64_t* __restrict__ block_tables,  // [B, max_blocks]
                   scalar_t* __restrict__ out,                // [T, Hq, D]
                   const std::vector<WorkItem>& items, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t runtime_head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+                  int64_t runtime_head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                  int64_t sliding_window, float soft_cap) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
   const int64_t q_stride = num_heads * head_dim;       // one query token: every query head
+  // With a soft cap, queries are scaled by scale / cap so that tanh takes the dot product as is.
+  const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t lanes = TILE * group;  // (query row, query head of the group) pairs
     std::vector<float> qf(lanes * head_dim), acc(lanes * head_dim);
@@ -52,19 +60,22 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
       const WorkItem& item = items[w];
       const int64_t rows = item.num_rows;
       const int64_t length = item.first_pos + rows;  // keys seen by the tile's last row
+      // The first key any row of the tile sees (its first row's window start), block-aligned.
+      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, item.first_pos - sliding_window + 1) : 0;
+      const int64_t first_block_start = first_key / block_size * block_size;
       const int64_t* table = block_tables + item.seq * max_blocks;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t i = 0; i < group; ++i) {
             const scalar_t* qh = q + (item.first_row + r) * q_stride + (g * group + i) * head_dim;
             float* dst = qf.data() + (r * group + i) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(qh[d]) * scale;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(qh[d]) * q_scale;
           }
         }
         std::fill(acc.begin(), acc.begin() + rows * group * head_dim, 0.f);
         std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
         std::fill(running_sum.begin(), running_sum.end(), 0.f);
-        for (int64_t start = 0; start < length; start += block_size) {
+        for (int64_t start = first_block_start; start < length; start += block_size) {
           const int64_t n = std::min(block_size, length - start);
           const int64_t base = table[start / block_size] * block_size * row_stride + g * head_dim;
           const scalar_t* kblock = k_cache + base;
@@ -74,8 +85,11 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
             for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = static_cast<float>(krow[d]);
           }
           for (int64_t r = 0; r < rows; ++r) {
-            // Row r sees keys up to its own position: the whole block, part of it, or none.
-            const int64_t visible = std::min(n, item.first_pos + r + 1 - start);
+            // Row r sees keys [lo, hi) of this block: up to its own position, from its window's start.
+            const int64_t pos = item.first_pos + r;
+            const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1 - start) : 0;
+            const int64_t hi = std::min(n, pos + 1 - start);
+            const int64_t visible = hi - lo;
             if (visible <= 0) continue;
             for (int64_t i = 0; i < group; ++i) {
               const int64_t lane = r * group + i;
@@ -84,9 +98,12 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
               std::fill(s, s + visible, 0.f);
               for (int64_t d = 0; d < head_dim; ++d) {
                 const float qd = qh[d];
-                const float* kd = kt.data() + d * block_size;
+                const float* kd = kt.data() + d * block_size + lo;
 #pragma omp simd
                 for (int64_t j = 0; j < visible; ++j) s[j] += qd * kd[j];
+              }
+              if (soft_cap > 0.f) {
+                for (int64_t j = 0; j < visible; ++j) s[j] = soft_cap * std::tanh(s[j]);
               }
               const float block_max = *std::max_element(s, s + visible);
               const float new_max = std::max(running_max[lane], block_max);
@@ -104,7 +121,7 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
               for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
               for (int64_t j = 0; j < visible; ++j) {
                 const float p = s[j];
-                const scalar_t* vrow = vblock + j * row_stride;
+                const scalar_t* vrow = vblock + (lo + j) * row_stride;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
               }
@@ -128,14 +145,14 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
 template <typename scalar_t>
 void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<WorkItem>& items,
-                       float scale) {
+                       float scale, int64_t sliding_window, float soft_cap) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
     chunk_kernel<scalar_t, decltype(head_dim_constant)::value>(
         query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), items, num_heads, num_kv_heads, head_dim,
-        block_size, block_tables.size(1), scale);
+        block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
   switch (head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;
@@ -148,7 +165,8 @@ void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache,
 
 torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor context_lens, double scale) {
+                                      torch::Tensor context_lens, double scale, int64_t sliding_window,
+                                      double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -157,6 +175,7 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
               "block_tables, query_start_loc and context_lens must be int64");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap must be >= 0");
   const int64_t batch = context_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == batch + 1 && block_tables.size(0) == batch,
               "query_start_loc must be [B + 1] and block_tables [B, max_blocks]");
@@ -189,7 +208,8 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
   items.swap(balanced);
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_chunked_attention", [&] {
-    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, out, items, static_cast<float>(scale));
+    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, out, items, static_cast<float>(scale),
+                              sliding_window, static_cast<float>(logits_soft_cap));
   });
   return out;
 }

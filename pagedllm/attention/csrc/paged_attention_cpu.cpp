@@ -7,6 +7,10 @@
 // The query heads that share a KV head (grouped-query attention) are handled together so each
 // key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes so the
 // compiler unrolls and vectorises the dot products; other sizes take the generic instance.
+//
+// A sliding window W limits each query to its sequence's last W positions: the walk starts at
+// position length - W, so blocks before it are never touched (the block manager may have freed
+// them). A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c) before the softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,7 +28,8 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
                    const int64_t* __restrict__ context_lens,  // [B]
                    scalar_t* __restrict__ out,                // [B, Hq, D]
                    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim,
-                   int64_t block_size, int64_t max_blocks, float scale) {
+                   int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                   float soft_cap) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
@@ -33,15 +38,20 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
     std::vector<float> qf(num_heads * head_dim);
     std::vector<float> acc(num_heads * head_dim);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t length = context_lens[b];
+      const int64_t context = context_lens[b];
+      // Positions [first, context) are attended; score t belongs to position first + t.
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context - sliding_window) : 0;
+      const int64_t length = context - first;
       const int64_t* table = block_tables + b * max_blocks;
       scores.resize(num_heads * length);
       const scalar_t* qrow = q + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * scale;
+      const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * q_scale;
       // Scores: walk the block table block by block (no division per token).
-      for (int64_t start = 0; start < length; start += block_size) {
-        const int64_t n = std::min(block_size, length - start);
-        const scalar_t* kblock = k_cache + table[start / block_size] * block_size * row_stride;
+      for (int64_t pos = first; pos < context;) {
+        const int64_t offset = pos % block_size;
+        const int64_t n = std::min(block_size - offset, context - pos);
+        const scalar_t* kblock = k_cache + (table[pos / block_size] * block_size + offset) * row_stride;
         for (int64_t i = 0; i < n; ++i) {
           const scalar_t* krow = kblock + i * row_stride;
           for (int64_t h = 0; h < num_heads; ++h) {
@@ -50,9 +60,13 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * static_cast<float>(kh[d]);
-            scores[h * length + start + i] = dot;
+            scores[h * length + pos - first + i] = dot;
           }
         }
+        pos += n;
+      }
+      if (soft_cap > 0.f) {
+        for (int64_t t = 0; t < num_heads * length; ++t) scores[t] = soft_cap * std::tanh(scores[t]);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * length;
@@ -68,19 +82,21 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
         for (int64_t t = 0; t < length; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < length; start += block_size) {
-        const int64_t n = std::min(block_size, length - start);
-        const scalar_t* vblock = v_cache + table[start / block_size] * block_size * row_stride;
+      for (int64_t pos = first; pos < context;) {
+        const int64_t offset = pos % block_size;
+        const int64_t n = std::min(block_size - offset, context - pos);
+        const scalar_t* vblock = v_cache + (table[pos / block_size] * block_size + offset) * row_stride;
         for (int64_t i = 0; i < n; ++i) {
           const scalar_t* vrow = vblock + i * row_stride;
           for (int64_t h = 0; h < num_heads; ++h) {
             const scalar_t* vh = vrow + (h / group) * head_dim;
-            const float p = scores[h * length + start + i];
+            const float p = scores[h * length + pos - first + i];
             float* a = acc.data() + h * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vh[d]);
           }
         }
+        pos += n;
       }
       scalar_t* orow = out + b * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) orow[i] = static_cast<scalar_t>(acc[i]);
@@ -91,14 +107,14 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
 template <typename scalar_t>
 void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                       float scale) {
+                       float scale, int64_t sliding_window, float soft_cap) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
     decode_kernel<scalar_t, decltype(head_dim_constant)::value>(
         query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
-        num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale);
+        num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
   switch (head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;
@@ -110,7 +126,8 @@ void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache,
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -118,12 +135,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap must be >= 0");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, context_lens, out, static_cast<float>(scale));
+    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, context_lens, out, static_cast<float>(scale),
+                                sliding_window, static_cast<float>(logits_soft_cap));
   });
   return out;
 }
