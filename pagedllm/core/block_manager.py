@@ -121,7 +121,8 @@ class BlockSpaceManager:
             num_blocks = _cdiv(len(token_ids), bs)
             seq_entries: list[PhysicalBlock | int] = []
             prev_key: tuple | None = None
-            if self.enable_prefix_caching:
+            # prompt_logprobs need the logits of every prompt position: computed, never read from the cache.
+            if self.enable_prefix_caching and seq_group.sampling_params.prompt_logprobs is None:
                 # At least the last token is always computed: its logits are needed to sample.
                 max_hits = (len(token_ids) - 1) // bs
                 parent_hash: int | None = None

@@ -19,7 +19,7 @@ from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfi
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
-from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
+from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_request, parse_prompt
 from pagedllm.engine.step_timing import StepTimer
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model_config, load_tokenizer
@@ -32,6 +32,7 @@ from pagedllm.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedllm.structured import StructuredOutputManager
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -88,6 +89,7 @@ class LLMEngine:
         self.pool_blocks = pool_blocks
         self.max_seq_len = min(model_config.max_model_len, pool_blocks * cache_config.block_size)
         self._seq_counter = itertools.count()
+        self.structured_outputs = StructuredOutputManager(tokenizer, self.vocab_size)
         self.beam_searcher = BeamSearcher(
             self.scheduler, tokenizer, self.eos_token_id, self.max_seq_len, lambda: next(self._seq_counter)
         )
@@ -155,13 +157,22 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validate and queue one request; raises ValueError (nothing queued) on bad input."""
-        group = self.make_seq_group(request_id, prompt, params, arrival_time)
+        """Validate and queue one request; raises ValueError (nothing queued) on bad input.
+
+        ``priority``: lower is scheduled first and preempted last (default 0 for all: FCFS).
+        """
+        group = self.make_seq_group(request_id, prompt, params, arrival_time, priority)
         self.enqueue(group)
 
     def make_seq_group(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Everything add_request checks, without queueing (so a batch can be checked first)."""
         if request_id in self._groups:
@@ -171,8 +182,12 @@ class LLMEngine:
             token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
         )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
         seq = Sequence(next(self._seq_counter), token_ids, self.cache_config.block_size)
-        return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text)
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs.new_matcher(params.structured_outputs)
+        return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text, priority=priority)
 
     def enqueue(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:
@@ -236,7 +251,8 @@ class LLMEngine:
         is_first = is_prefill and not seq.output_token_ids and not params.use_beam_search
         return params.best_of if is_first else 1
 
-    def _build_step_input(self, sched: SchedulerOutputs, failed: list[RequestOutput]) -> StepInput:
+    def _build_step_input(self, sched: SchedulerOutputs, early_outputs: list[RequestOutput]) -> StepInput:
+        """The worker's input; requests that failed or ended while preparing go to ``early_outputs``."""
         seqs: list[SeqStepInput] = []
         block_manager = self.scheduler.block_manager
         scheduled: list[SequenceGroup] = []
@@ -246,20 +262,28 @@ class LLMEngine:
             generator = self._generators.get(group.request_id)
             running = group.get_seqs(SequenceStatus.RUNNING)
             try:
+                bitmasks = self._grammar_bitmasks(group, running)
+                if not running:  # every sequence's grammar ended it
+                    early_outputs.append(self._make_output(group))
+                    self._forget(group)
+                    continue
                 num_rows = [self._num_rows(group, seq, sched.is_prefill) for seq in running]
+                want_prompt_logprobs = params.prompt_logprobs is not None and group.prompt_logprobs is None
                 group_seqs = [
                     SeqStepInput(
                         seq_id=seq.seq_id,
                         token_ids=seq.get_uncomputed_token_ids(),
                         start_pos=seq.num_computed_tokens,
                         block_table=block_manager.get_block_table(seq),
-                        sampling_row=SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator),
+                        sampling_row=SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator,
+                                                 bitmasks.get(seq.seq_id)),
                         num_samples=num_samples,
+                        prompt_logprobs=params.prompt_logprobs if want_prompt_logprobs and index == 0 else None,
                     )
-                    for seq, num_samples in zip(running, num_rows)
+                    for index, (seq, num_samples) in enumerate(zip(running, num_rows))
                 ]
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                failed.append(self._fail_group(group, "preparing its step", exc))
+                early_outputs.append(self._fail_group(group, "preparing its step", exc))
                 continue
             seqs.extend(group_seqs)
             scheduled.append(group)
@@ -275,13 +299,35 @@ class LLMEngine:
             blocks_to_copy=sched.blocks_to_copy,
         )
 
+    def _grammar_bitmasks(self, group: SequenceGroup, running: list[Sequence]) -> dict[int, object]:
+        """Each constrained sequence's bitmask for this step, by seq id. A sequence whose grammar allows
+        no token at all (a constraint nothing can satisfy) is finished here and taken out of ``running``."""
+        constrained = [seq for seq in running if seq.grammar is not None]
+        if not constrained:
+            return {}
+        bitmask, alive = self.structured_outputs.fill_bitmasks([seq.grammar for seq in constrained], self.num_steps)
+        masks: dict[int, object] = {}
+        for index, (seq, has_token) in enumerate(zip(constrained, alive)):
+            if has_token:
+                masks[seq.seq_id] = bitmask[index]
+                continue
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.stop_reason = "structured output: no token can continue the grammar"
+            self.scheduler.free_seq(seq)
+            running.remove(seq)
+        return masks
+
     def _process_outputs(self, sched: SchedulerOutputs, step_input: StepInput, sampler_output) -> list[RequestOutput]:
         now = time.time()
         outputs: list[RequestOutput] = []
         failed_rows: dict[int, BaseException] = getattr(sampler_output, "failed_rows", None) or {}
         row = 0
+        prompt_logprobs = getattr(sampler_output, "prompt_logprobs", None) or {}
         for group, num_rows in zip(sched.scheduled_seq_groups, self._rows_per_group, strict=True):
             running = group.get_seqs(SequenceStatus.RUNNING)
+            if running and running[0].seq_id in prompt_logprobs:
+                # The first token has no logprob: nothing predicts it.
+                group.prompt_logprobs = [None, *prompt_logprobs[running[0].seq_id]]
             # Rows as counted when the batch was built, so a failure cannot shift the next group's.
             first_row = row
             row += num_rows
@@ -351,6 +397,8 @@ class LLMEngine:
         new_text = detokenize_incrementally(self.tokenizer, seq, params)
         self._stage = "checking stop conditions"
         check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
+        if not seq.is_finished() and seq.grammar is not None and seq.grammar.is_terminated():
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar accepted its end (with ignore_eos)
         self._stage = "processing its output"
         if seq.is_finished():
             self.scheduler.free_seq(seq)
@@ -416,6 +464,7 @@ class LLMEngine:
             metrics=group.metrics,
             error=group.error,
             failed=group.failed,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -429,6 +478,7 @@ class LLMEngine:
             generation_tokens=self.num_generation_tokens,
             steps=self.num_steps,
         )
+        stats.update(self.structured_outputs.stats())
         comm_stats = getattr(self.worker, "comm_stats", None)
         if comm_stats is not None:  # tensor parallelism: time in collectives, control message size
             stats.update(comm_stats())

@@ -106,9 +106,17 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in the prompts' order. Bad input raises before any work."""
+        """One RequestOutput per prompt, in the prompts' order. Bad input raises before any work.
+
+        ``priority``: one integer per prompt, lower scheduled first and preempted last (default all 0).
+        """
         prompt_list = _as_prompt_list(prompts)
+        if priority is None:
+            priority = [0] * len(prompt_list)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompt_list)}).")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -126,8 +134,8 @@ class LLM:
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         groups = [
-            engine.make_seq_group(engine.next_request_id(), prompt, params)
-            for prompt, params in zip(prompt_list, params_list)
+            engine.make_seq_group(engine.next_request_id(), prompt, params, priority=rank)
+            for prompt, params, rank in zip(prompt_list, params_list, priority)
         ]
         for group in groups:
             engine.enqueue(group)

@@ -15,6 +15,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.engine.step_timing import StepTimer
 from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
+from pagedllm.sampling.prompt_logprobs import prompt_logprobs, prompt_row_chunks
 
 
 @dataclass
@@ -27,6 +28,8 @@ class SeqStepInput:
     block_table: list[int]
     sampling_row: SamplingRow | None  # None: compute only, do not sample
     num_samples: int = 1  # > 1 on the prompt step of best_of / parallel sampling: rows share the logits
+    # Top-k of the logprobs of the prompt tokens this step computes (prompt_logprobs); None: not asked.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -102,8 +105,32 @@ class ModelRunner:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         with timer.phase("logits"):
             logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
+            prompt = {
+                seq.seq_id: prompt_logprobs(self.model.compute_logits, hidden, start, seq.token_ids,
+                                            seq.prompt_logprobs, self.sampler.vocab_size)
+                for seq, start in self.prompt_logprob_seqs(step)
+            }
         with timer.phase("sample"):
-            return self.sampler(logits, rows, generator)
+            output = self.sampler(logits, rows, generator)
+        output.prompt_logprobs = prompt
+        return output
+
+    @staticmethod
+    def prompt_logprob_seqs(step: StepInput) -> list[tuple[SeqStepInput, int]]:
+        """The sequences asking for prompt logprobs, each with the flattened row of its first token."""
+        found = []
+        start = 0
+        for seq in step.seqs:
+            if seq.prompt_logprobs is not None:
+                found.append((seq, start))
+            start += len(seq.token_ids)
+        return found
+
+    def compute_prompt_logits_shard(self, step: StepInput, hidden: torch.Tensor) -> None:
+        """A tensor-parallel rank's part of the prompt logprobs: the same logits calls as rank 0's."""
+        for seq, start in self.prompt_logprob_seqs(step):
+            for rows in prompt_row_chunks(start, len(seq.token_ids)):
+                self.model.compute_logits(hidden[rows.start : rows.stop])
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

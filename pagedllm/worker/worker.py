@@ -116,4 +116,5 @@ class Worker:
         hidden = self.model(input_ids, positions, self.cache_engine.kv_caches, meta)
         if sample_indices.numel():
             self.model.compute_logits(hidden.index_select(0, sample_indices))
+            self.runner.compute_prompt_logits_shard(step, hidden)
         return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
