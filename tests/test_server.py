@@ -555,7 +555,7 @@ def test_engine_failure_fails_requests_and_marks_unhealthy(model_dir):
 
 def test_sigterm_stops_cleanly_with_streams_in_flight(model_dir):
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", model_dir,
+    command = [sys.executable, "-m", "pagedllm.entrypoints.serve_cli", "--model", model_dir,
                "--port", str(port), "--num-kv-blocks", "32", "--device", "cpu", "--dtype", "float32",
                "--num-threads", "1", "--served-model-name", MODEL]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
