@@ -18,11 +18,14 @@ _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 def cache_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
-    """The same constraint, however it was spelled (a schema as dict or text, key order), gives one key."""
+    """The same constraint, however it was spelled (a schema as dict or text, spacing), gives one key.
+
+    Key order stays: a schema's property order is the order the grammar writes them in.
+    """
     kind = spec.kind
     if kind == "json":
         schema = parse_schema(spec.json)
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(schema, separators=(",", ":"))
     elif kind == "choice":
         text = json.dumps(list(spec.choice or []))
     elif kind == "json_object":
