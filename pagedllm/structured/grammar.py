@@ -68,24 +68,43 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._compiling: dict[tuple[str, str, bool], threading.Lock] = {}
         self.cache_hits = 0
         self.cache_misses = 0
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``spec``; a constraint that cannot compile raises InvalidRequestError."""
+        """The compiled grammar of ``spec``; a constraint that cannot compile raises InvalidRequestError.
+
+        Requests with the same constraint arriving together wait for one compilation.
+        """
         key = cache_key(spec)
         with self._lock:
-            compiled = self._cache.get(key)
+            compiled = self._cached(key)
             if compiled is not None:
-                self._cache.move_to_end(key)
-                self.cache_hits += 1
                 return compiled
-        compiled = self._compile(spec, key)
-        with self._lock:
-            self.cache_misses += 1
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            key_lock = self._compiling.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                compiled = self._cached(key)
+                if compiled is not None:
+                    return compiled
+            try:
+                compiled = self._compile(spec, key)
+            finally:
+                with self._lock:
+                    self._compiling.pop(key, None)
+            with self._lock:
+                self.cache_misses += 1
+                self._cache[key] = compiled
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _cached(self, key: tuple[str, str, bool]) -> Any:
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams, key: tuple[str, str, bool]) -> Any:
@@ -96,8 +115,8 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return compiler.compile_json_schema(text, any_whitespace=not compact, strict_mode=True)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not compact)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

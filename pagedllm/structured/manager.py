@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,14 +23,16 @@ class StructuredOutputManager:
         self.num_fill_steps = 0
         self.num_fill_rows = 0
         self._last_step: int | None = None
+        self._lock = threading.Lock()
 
     @property
     def compiler(self) -> Any:
-        if self._compiler is None:
-            from pagedllm.structured.grammar import GrammarCompiler
+        with self._lock:  # the server compiles from worker threads
+            if self._compiler is None:
+                from pagedllm.structured.grammar import GrammarCompiler
 
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
-        return self._compiler
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._compiler
 
     def new_matcher(self, spec: StructuredOutputsParams) -> Any:
         """A matcher at the grammar's start; raises InvalidRequestError when the constraint cannot compile."""
