@@ -16,7 +16,8 @@ from pagedllm.sampling_params import GuidedDecodingParams, StructuredOutputsPara
 
 SCHEMA = {
     "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "word": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "word": {"type": "string", "pattern": "^[a-z]{1,6}$"},
                    "ok": {"type": "boolean"}},
     "required": ["id", "word", "ok"],
     "additionalProperties": False,
