@@ -66,11 +66,13 @@ def tool_plan(request: ChatCompletionRequest, parser: ToolParser | None, auto_en
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
         if request.parallel_tool_calls is False:
             array["maxItems"] = 1
-        return ToolPlan("required", template_tools, constraint=StructuredOutputsParams(json=array))
+        compact = StructuredOutputsParams(json=array, disable_any_whitespace=True)
+        return ToolPlan("required", template_tools, constraint=compact)
     name = choice.function.name
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.", "tool_choice")
-    return ToolPlan("named", template_tools, named=name, constraint=StructuredOutputsParams(json=schemas[name]))
+    return ToolPlan("named", template_tools, named=name, constraint=StructuredOutputsParams(json=schemas[name],
+                                                                            disable_any_whitespace=True))
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedToolCall]]:
