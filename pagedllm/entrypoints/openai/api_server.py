@@ -91,7 +91,6 @@ def build_app(
     response_role: str = "assistant",
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
-    root_path: str = "",
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args unless ``engine`` is given).
 
@@ -142,7 +141,7 @@ def build_app(
 
     app = FastAPI(
         title="pagedllm OpenAI-compatible API", version=pagedllm.__version__, lifespan=lifespan,
-        docs_url="/docs", redoc_url=None, root_path=root_path,
+        docs_url="/docs", redoc_url=None,
     )
     app.state.async_engine = async_engine
     app.state.serving_context = ctx
@@ -260,7 +259,6 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
             response_role=settings.response_role,
             tool_call_parser=settings.tool_call_parser,
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
-            root_path=settings.root_path,
         )
     except ValueError as exc:  # a setting that cannot work: say which, exit 2 as argparse does
         logger.error("%s", exc)
@@ -276,6 +274,7 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
         log_level=log_level.lower(),
         access_log=False,  # GuardMiddleware writes one line per request
         timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        root_path=settings.root_path,  # uvicorn sets the ASGI root_path the app's routes and docs use
     )
     server = _Server(config, app.state.async_engine)
     servers.append(server)

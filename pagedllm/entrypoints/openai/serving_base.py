@@ -153,6 +153,8 @@ class ServingContext:
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """SamplingParams from a request's fields; each bad field a 400 naming it."""
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream set to true.", "stream_options")
         n = request.n
         best_of = request.best_of
         for name, value in (("n", n), ("best_of", best_of)):
