@@ -87,7 +87,8 @@ def test_lm_eval_local_completions(tmp_path, monkeypatch):
                       "timeout=120")
         results = simple_evaluate(model="local-completions", model_args=model_args, batch_size=2,
                                   tasks=["pagedllm_tiny_loglikelihood", "pagedllm_tiny_generate"],
-                                  task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+                                  task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
+                                  bootstrap_iters=0)
         with httpx.Client(base_url=running.url, timeout=60) as http:
             generated = {}
             for doc in DOCS:  # what the generate_until requests must have got
