@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import logging
 import shutil
-from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 from conftest import assert_no_leaks
-from test_server import MODEL, ServerThread, assert_error, build_tiny_model, engine_args, free_port, wait_idle
+from test_server import (
+    MODEL,
+    ServerThread,
+    assert_error,
+    build_tiny_model,
+    engine_args,
+    free_port,
+    serving,
+    wait_idle,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -63,15 +71,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    app = build_app(engine_args(model_dir, num_kv_blocks=64), served_model_name=MODEL)
-    with ServerThread(app) as running:
-        yield SimpleNamespace(url=running.url, engine=app.state.async_engine.engine)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
+    with serving(build_app(engine_args(model_dir, num_kv_blocks=64), served_model_name=MODEL)) as running:
+        yield running
 
 
 def test_the_field_tables_cover_every_declared_openai_field():

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import MODEL, ServerThread, assert_error, build_tiny_model, engine_args, wait_idle
+from test_server import MODEL, ServerThread, assert_error, build_tiny_model, engine_args, serving, wait_idle
 
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.api_server import build_app
@@ -27,23 +26,11 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+def server(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-structured"))
     build_tiny_model(path)
-    app = build_app(engine_args(path), served_model_name=MODEL)
-    with ServerThread(app) as running:
-        yield SimpleNamespace(url=running.url, engine=app.state.async_engine.engine)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(tiny_server):
-    with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
-        yield c
+    with serving(build_app(engine_args(path), served_model_name=MODEL)) as running:
+        yield running
 
 
 def test_default_model_json_schema_answers_validate_streamed_and_not():

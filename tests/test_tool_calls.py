@@ -4,13 +4,12 @@ llama3_json parsers, streamed tool_call deltas, and a round trip with a tool mes
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import MODEL, ServerThread, assert_error, build_tiny_model, engine_args, wait_idle
+from test_server import MODEL, ServerThread, assert_error, build_tiny_model, engine_args, serving, wait_idle
 
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.chat_tools import ToolCallStream, ToolPlan
@@ -57,19 +56,8 @@ def server(model_dir, tmp_path_factory):
     template = str(tmp_path_factory.getbasetemp() / "hermes.jinja")
     app = build_app(engine_args(model_dir), served_model_name=MODEL, chat_template=template,
                     tool_call_parser="hermes", enable_auto_tool_choice=True)
-    with ServerThread(app) as running:
-        yield SimpleNamespace(url=running.url, engine=app.state.async_engine.engine)
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
+    with serving(app) as running:
+        yield running
 
 
 def check_weather_call(call) -> dict:
