@@ -5,6 +5,7 @@ echo + logprobs + max_tokens 0, priority scheduling, and the server flags --chat
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -109,6 +110,21 @@ def test_unknown_fields_are_ignored_with_a_warning(http, caplog):
     assert any("ignoring unknown field(s): extra_thing, frobnicate" in r.getMessage() for r in caplog.records)
 
 
+def test_chat_echo_and_continuous_usage(http):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True, "ignore_eos": True}
+    reply = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert reply["role"] == "assistant" and reply["content"].startswith("Well,")
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=stream_body) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"]["content"] == "Well,"
+    completion_tokens = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 3
+    assert all(c["usage"] is not None for c in chunks)
+
+
 def test_logit_bias_steers_the_choice(http, server):
     target = 42
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
@@ -162,8 +178,7 @@ def test_echo_logprobs_max_tokens_zero_scores_the_prompt(http, model_dir):
     assert len(one["logprobs"]["tokens"]) == len(ids) + 1 and one["text"].startswith(prompt)
     # Streamed: the same logprobs, the prompt's first.
     with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 1, "stream": True}) as response:
-        import json as json_module
-        chunks = [json_module.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     streamed = [lp for c in chunks for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == one["logprobs"]["token_logprobs"]
     # vLLM's prompt_logprobs field.

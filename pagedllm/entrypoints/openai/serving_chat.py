@@ -70,8 +70,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 parts.append(part["text"])
             content = "\n".join(parts)
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
+        for name in ("name", "refusal"):
+            if getattr(message, name) is not None:
+                entry[name] = getattr(message, name)
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls.", f"messages.{i}")
@@ -183,10 +184,14 @@ class OpenAIServingChat:
                                priority=request.priority)
         streams = [ctx.async_engine.stream_outputs(request_id)]
         role = self.response_role if request.add_generation_prompt else request.messages[-1].role
+        # vLLM's echo: a reply in the last message's role starts with that message's text.
+        echo = ""
+        if request.echo and request.messages[-1].role == role:
+            echo = conversation(request.messages[-1:])[0]["content"]
         if request.stream:
             return ClosingStreamingResponse(
-                self._stream(request, raw_request, request_id, role, plan, top_logprobs, params.stop_strings,
-                             streams),
+                self._stream(request, raw_request, request_id, role, echo, plan, top_logprobs,
+                             params.stop_strings, streams),
                 on_close=lambda: ctx.abort_unfinished([request_id]),
             )
         finals = await final_outputs(ctx, raw_request, [request_id], streams)
@@ -201,6 +206,8 @@ class OpenAIServingChat:
             if top_logprobs is not None and completion.logprobs is not None:
                 logprobs = chat_logprobs(ctx, completion.token_ids, completion.logprobs, top_logprobs)
             content, calls = parse_reply(plan, completion.text)
+            if echo and not calls:
+                content = echo + (content or "")
             message = ChatResponseMessage(role=role, content=content, tool_calls=[c.to_openai() for c in calls])
             choices.append(
                 ChatCompletionResponseChoice(
@@ -226,6 +233,7 @@ class OpenAIServingChat:
         raw_request: Request,
         request_id: str,
         role: str,
+        echo: str,
         plan: ToolPlan,
         top_logprobs: int | None,
         stop_strings: list[str],
@@ -259,9 +267,8 @@ class OpenAIServingChat:
                     choices[-1]["stop_reason"] = delta.completion.stop_reason
             return choices
 
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        # OpenAI opens every choice with the role and empty content.
-        opening = [{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+        # OpenAI opens every choice with the role and empty content (here: what echo repeats).
+        opening = [{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None, "finish_reason": None}
                    for i in range(request.n)]
         tracker = DeltaTracker(request.n, stop_strings)
-        return event_stream(ctx, raw_request, streams, tracker, chunk, choice_chunks, include_usage, opening)
+        return event_stream(ctx, raw_request, streams, tracker, chunk, choice_chunks, request.stream_options, opening)

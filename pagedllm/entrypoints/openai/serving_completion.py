@@ -280,9 +280,8 @@ class OpenAIServingCompletion:
                 choice["prompt_logprobs"] = self._prompt_logprobs_field(request, delta.output)
             return [choice]
 
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
         tracker = DeltaTracker(request.n, stop_strings, count_generated=not plan.prompt_only)
-        return event_stream(ctx, raw_request, streams, tracker, chunk, choice_chunks, include_usage)
+        return event_stream(ctx, raw_request, streams, tracker, chunk, choice_chunks, request.stream_options)
 
 
 def _joined(first: CompletionLogProbs | None, second: CompletionLogProbs | None) -> CompletionLogProbs | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.entrypoints.openai.protocol import UsageInfo
+from pagedllm.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from pagedllm.entrypoints.openai.serving_base import (
     ServingContext,
     merge_streams,
@@ -95,18 +95,22 @@ async def event_stream(
     tracker: DeltaTracker,
     chunk: Callable[[list[dict[str, Any]]], dict[str, Any]],
     choice_chunks: Callable[[ChoiceDelta], list[dict[str, Any]]],
-    include_usage: bool,
+    stream_options: StreamOptions | None,
     opening: list[dict[str, Any]] | None = None,
 ) -> AsyncGenerator[str, None]:
     """The SSE body: ``opening`` choices first, then one chunk per choice dict ``choice_chunks`` makes of
     each delta (none: nothing to send yet), the usage chunk when asked for, and ``[DONE]``.
 
-    ``chunk(choices)`` wraps choice dicts into the endpoint's chunk object.
+    ``chunk(choices)`` wraps choice dicts into the endpoint's chunk object. With
+    ``stream_options.include_usage`` every chunk has a ``usage`` key, null but in the last chunk,
+    or the usage so far in each with ``continuous_usage_stats`` too (vLLM's).
     """
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and bool(stream_options and stream_options.continuous_usage_stats)
 
     def with_usage(body: dict[str, Any], usage: dict[str, int] | None = None) -> str:
         if include_usage:
-            body["usage"] = usage
+            body["usage"] = usage if usage is not None or not continuous else tracker.usage().model_dump()
         return sse(body)
 
     try:
