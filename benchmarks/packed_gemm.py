@@ -12,31 +12,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_blocks import random_packed  # noqa: E402
+from paper_fig18a_kernel import bench as median_seconds  # noqa: E402
 
 from pagedllm.attention.cpu_kernels import load_cpu_kernels  # noqa: E402
 
 # name, output rows, inputs, GGUF type: a Llama-3.2-1B layer's projections and its Q6_K LM head.
 SHAPES = [("qo", 2048, 2048, "Q4_0"), ("kv", 512, 2048, "Q4_0"), ("gate/up", 8192, 2048, "Q4_0"),
           ("down", 2048, 8192, "Q4_0"), ("up Q4_K", 8192, 2048, "Q4_K"), ("head", 128256, 2048, "Q6_K")]
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """Accept 2147483648, "2GiB", "512MiB", "1.5GB"."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"Cannot read a memory size from {value!r}; use bytes or e.g. '2GiB', '512MiB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 @dataclass(slots=True)

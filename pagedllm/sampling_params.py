@@ -19,6 +19,8 @@ seed                        None or an integer in [-2**63, 2**64 - 1] (what torc
 stop                        at most MAX_STOP_STRINGS non-empty strings of at most
                             MAX_STOP_STRING_CHARS characters each
 stop_token_ids              at most MAX_STOP_TOKEN_IDS integers >= 0
+structured_outputs          None or StructuredOutputsParams with exactly one constraint
+                            (``guided_decoding`` is vLLM's older name for the same setting)
 ==========================  ===============================================================
 """
 
@@ -40,10 +42,61 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_REPETITION_PENALTY = 100.0
 MAX_ABS_LENGTH_PENALTY = 10.0
 _SEED_MIN = -(1 << 63)
 _SEED_MAX = (1 << 64) - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, enforced token by token (vLLM's names).
+
+    Exactly one of: ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any
+    JSON object), ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF in the GBNF
+    dialect of llama.cpp / xgrammar). ``disable_any_whitespace`` makes JSON output compact.
+    Whether the schema, regex or grammar compiles is checked when the request is added.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+               f"got {', '.join(given) or 'none'}.")
+        _check(self.json is None or isinstance(self.json, (str, dict)),
+               f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {_short(self.json)}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"structured_outputs.{name} must be a non-empty string, got {_short(value)}.")
+        _check(
+            self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                                    and all(isinstance(c, str) for c in self.choice)),
+            f"structured_outputs.choice must be a non-empty list of strings, got {_short(self.choice)}.",
+        )
+        _check(self.json_object in (None, True, False), "structured_outputs.json_object must be true or false.")
+        _check(isinstance(self.disable_any_whitespace, bool),
+               "structured_outputs.disable_any_whitespace must be true or false.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+# vLLM's earlier name.
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass
@@ -81,6 +134,11 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Constrained decoding (pagedllm/structured); guided_decoding is vLLM's older name for it.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
+    # {token id: bias added to its logit} (OpenAI's logit_bias; each bias in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +159,11 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}."
             )
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None or self.structured_outputs == self.guided_decoding,
+                   "structured_outputs and guided_decoding disagree; give one of them.")
+            self.structured_outputs = self.guided_decoding
+        self.guided_decoding = self.structured_outputs
         if self.use_beam_search is True and self.beam_width is not None and self.best_of is None:
             self.best_of = self.beam_width
         if self.best_of is None:
@@ -159,6 +222,11 @@ class SamplingParams:
             f"seed must be None or an integer in [-2**63, 2**64 - 1], got {_short(self.seed)}.",
         )
         self._verify_stops()
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs must be a StructuredOutputsParams, got {_short(self.structured_outputs)}.",
+        )
+        self._verify_logit_bias()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "use_beam_search"):
             value = getattr(self, name)
@@ -205,6 +273,19 @@ class SamplingParams:
             all(_is_int(t) and t >= 0 for t in token_ids),
             f"stop_token_ids must be non-negative integers, got {_short(token_ids)}.",
         )
+
+    def _verify_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), f"logit_bias must map token ids to numbers, got {_short(bias)}.")
+        _check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+               f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed.")
+        for token_id, value in bias.items():
+            _check(_is_int(token_id) and token_id >= 0,
+                   f"logit_bias keys must be token ids (integers >= 0), got {_short(token_id)}.")
+            _check(_is_real(value) and math.isfinite(value) and -100 <= value <= 100,
+                   f"logit_bias values must be numbers in [-100, 100], got {_short(value)} for token {token_id}.")
 
     @property
     def is_greedy(self) -> bool:

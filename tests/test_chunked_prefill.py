@@ -122,3 +122,26 @@ def test_prompt_longer_than_the_budget_runs(llama_dir):
     assert refused.error and "max_num_batched_tokens=16" in refused.error
     assert_no_leaks(llm)
     assert_no_leaks(whole)
+
+
+@pytest.mark.parametrize("budget", [7, 16])
+def test_prompt_logprobs_are_the_same_chunked(llama_dir, prompts_and_expected, budget):
+    """Each chunk reports the logprobs of the prompt tokens its positions predict, the next chunk's
+    first token included; together they equal one whole-prompt pass's."""
+    prompts = prompts_and_expected[0][:6]
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2, temperature=0.0)
+
+    def run(**kwargs) -> list:
+        llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, block_size=8, **kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leaks(llm)
+        return outs
+
+    whole = run(enable_chunked_prefill=False)
+    chunked = run(max_num_batched_tokens=budget)
+    for prompt, a, b in zip(prompts, whole, chunked):
+        assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ref, got in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert ref.keys() == got.keys()
+            assert all(abs(ref[t] - got[t]) < 1e-4 for t in ref)

@@ -8,6 +8,7 @@ template), started with uvicorn in a thread on a free loopback port. Tests that 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -111,6 +112,16 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+@contextlib.contextmanager
+def serving(app, api_key: str | None = None):
+    """The app served in a thread, with an openai client and an httpx client pointed at it."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with ServerThread(app) as running, httpx.Client(base_url=running.url, headers=headers, timeout=120) as http:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=120)
+        yield SimpleNamespace(url=running.url, app=app, engine=app.state.async_engine.engine, client=client,
+                              http=http)
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +566,7 @@ def test_engine_failure_fails_requests_and_marks_unhealthy(model_dir):
 
 def test_sigterm_stops_cleanly_with_streams_in_flight(model_dir):
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", model_dir,
+    command = [sys.executable, "-m", "pagedllm.entrypoints.serve_cli", "--model", model_dir,
                "--port", str(port), "--num-kv-blocks", "32", "--device", "cpu", "--dtype", "float32",
                "--num-threads", "1", "--served-model-name", MODEL]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

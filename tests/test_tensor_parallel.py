@@ -251,6 +251,22 @@ def test_beam_search(tp_llama, tp1_llama):
     assert_no_leaks(tp_llama)
 
 
+def test_prompt_logprobs_and_structured_outputs(tp_llama, tp1_llama):
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    prompts = _prompts(300)[:3]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[a-f]+")),
+              SamplingParams(max_tokens=6, temperature=0.0)]
+    got, expected = (llm.generate(prompts, params, use_tqdm=False) for llm in (tp_llama, tp1_llama))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert got[0].prompt_logprobs[0] is None and len(got[0].prompt_logprobs) == len(got[0].prompt_token_ids)
+    for mine, theirs in zip(got[0].prompt_logprobs[1:], expected[0].prompt_logprobs[1:]):
+        assert mine.keys() == theirs.keys()
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-4)
+    assert_no_leaks(tp_llama)
+
+
 def test_killed_worker_fails_requests_with_its_rank_and_leaves_no_process(tp_llama):
     """Runs last: it breaks the module's engine. The async front must fail the request and go unhealthy."""
     from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError

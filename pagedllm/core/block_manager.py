@@ -136,7 +136,8 @@ class BlockSpaceManager:
             num_blocks = _cdiv(seq_len, bs)
             seq_entries: list[PhysicalBlock | int] = []
             prev_key: tuple | None = None
-            if self.enable_prefix_caching:
+            # prompt_logprobs need the logits of every prompt position: computed, never read from the cache.
+            if self.enable_prefix_caching and seq_group.sampling_params.prompt_logprobs is None:
                 hashes = self._block_hashes(seq)
                 # At least the last token is always computed: its logits are needed to sample.
                 max_hits = (seq_len - 1) // bs

@@ -22,6 +22,10 @@ waiting group can be admitted (nothing swapped out, whole prompts within the bud
 is a prefill step of exactly those; otherwise it is a decode step of the running groups, with
 preemption and swapping in as above.
 
+Priorities (vLLM's priority scheduling): every queue is ordered by (priority, arrival), a lower
+priority value first, so "oldest" above reads "most urgent" and "newest" "least urgent"; with
+equal priorities (the default, 0) that is first come first served.
+
 A group that can never run (too long for the model, the budget or the whole pool) is finished
 with an error message instead of blocking the queue.
 
@@ -88,8 +92,9 @@ class StepResult:
     failed: list[tuple[SequenceGroup, BaseException]] = field(default_factory=list)
 
 
-def _arrival(group: SequenceGroup) -> float:
-    return group.metrics.arrival_time
+def _arrival(group: SequenceGroup) -> tuple[int, float]:
+    """The queue order: priority first (lower value first), then arrival."""
+    return group.priority, group.metrics.arrival_time
 
 
 def _is_decoding(group: SequenceGroup) -> bool:
@@ -156,7 +161,15 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        self.waiting.append(seq_group)
+        self._enqueue_waiting(seq_group)
+
+    def _enqueue_waiting(self, seq_group: SequenceGroup) -> None:
+        """Into the waiting queue at its (priority, arrival) place; the common case is an append."""
+        key = _arrival(seq_group)
+        index = len(self.waiting)
+        while index and _arrival(self.waiting[index - 1]) > key:
+            index -= 1
+        self.waiting.insert(index, seq_group)
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
         """Finish the named groups wherever they are, freeing their blocks (unknown ids are ignored)."""
@@ -466,7 +479,7 @@ class Scheduler:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
-            self.waiting.appendleft(group)
+            self._enqueue_waiting(group)  # ahead of the later arrivals of its priority
             outputs.num_preempted_by_recompute += 1
             self.num_preempted_by_recompute += 1
 

@@ -185,7 +185,12 @@ class AsyncLLMEngine:
             raise EngineDeadError("The server is shutting down.")
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it."""
         self.check_alive()
@@ -196,7 +201,8 @@ class AsyncLLMEngine:
         # Registered before the engine sees the request, so no output can arrive without a stream.
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine_thread(self.engine.add_request, request_id, prompt, params, arrival_time)
+            await self.run_in_engine_thread(self.engine.add_request, request_id, prompt, params, arrival_time,
+                                            priority)
         except asyncio.CancelledError:
             # The add may still run on the engine thread: abort after it (the thread is FIFO).
             self.abort(request_id)

@@ -123,6 +123,9 @@ class BeamSearcher:
         total = (scores + prev.to(scores.device).unsqueeze(1)).reshape(-1)
         num_candidates = min(max(2, 1 + len(eos_ids)) * k, total.numel())
         values, indices = torch.topk(total, num_candidates)
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):  # forbidden tokens (a structured-output grammar) are never candidates
+            values, indices = values[finite], indices[finite]
         gen_len = beams[0].get_output_len() + 1  # all beams have the same length
         length_norm = gen_len**params.length_penalty
         # Penalised in float32, as HF divides its float32 scores (only the first k ranks may finish).

@@ -108,6 +108,11 @@ def check_request(
                 f"stop_token_ids: token id {bad[0]} is out of the vocabulary range [0, {vocab_size}).",
                 "stop_token_ids",
             )
+        bad = [t for t in params.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad[0]} is out of the vocabulary range [0, {vocab_size}).", "logit_bias"
+            )
     prompt_len = len(token_ids)
     if prompt_len > max_model_len:
         raise InvalidRequestError(

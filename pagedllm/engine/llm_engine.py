@@ -20,7 +20,7 @@ from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfi
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
-from pagedllm.engine.inputs import PromptType, check_request, parse_prompt
+from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_request, parse_prompt
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.sampling import SamplingRow
@@ -33,6 +33,7 @@ from pagedllm.sequence import (
     SequenceStatus,
 )
 from pagedllm.step_timing import StepTimer
+from pagedllm.structured import StructuredOutputManager
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -91,6 +92,7 @@ class LLMEngine:
             pool_blocks = 1 << (pool_blocks.bit_length() - 1)
         self.pool_blocks = pool_blocks
         self.max_seq_len = min(model_config.max_model_len, pool_blocks * cache_config.block_size)
+        self.structured_outputs = StructuredOutputManager(tokenizer, self.vocab_size)
         self.beam_searcher = BeamSearcher(
             self.scheduler, tokenizer, self.eos_token_id, self.max_seq_len, self.scheduler.next_seq_id
         )
@@ -160,13 +162,22 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validate and queue one request; raises ValueError (nothing queued) on bad input."""
-        group = self.make_seq_group(request_id, prompt, params, arrival_time)
+        """Validate and queue one request; raises ValueError (nothing queued) on bad input.
+
+        ``priority``: lower is scheduled first and preempted last (default 0 for all: FCFS).
+        """
+        group = self.make_seq_group(request_id, prompt, params, arrival_time, priority)
         self.enqueue(group)
 
     def make_seq_group(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Everything add_request checks, without queueing (so a batch can be checked first)."""
         if request_id in self._groups:
@@ -176,8 +187,12 @@ class LLMEngine:
             token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
         )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
         seq = Sequence(self.scheduler.next_seq_id(), token_ids, self.cache_config.block_size)
-        return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text)
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs.new_matcher(params.structured_outputs)
+        return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text, priority=priority)
 
     def enqueue(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:
@@ -227,6 +242,7 @@ class LLMEngine:
                 sampler_output = self.worker.execute(step_input)
         self.num_steps += 1
         with timer.phase("process_outputs"):
+            self._add_prompt_logprobs(sched, getattr(sampler_output, "prompt_logprobs", None))
             sink = _SamplerTokens(self, sampler_output)
             result = self.scheduler.postprocess(sched, sink)
             now = time.time()
@@ -253,7 +269,8 @@ class LLMEngine:
                 self._forget(group)
         return outputs
 
-    def _build_step_input(self, sched: SchedulerOutputs, failed: list[RequestOutput]) -> StepInput:
+    def _build_step_input(self, sched: SchedulerOutputs, early_outputs: list[RequestOutput]) -> StepInput:
+        """The worker's input; requests that failed or ended while preparing go to ``early_outputs``."""
         seqs: list[SeqStepInput] = []
         block_manager = self.scheduler.block_manager
         scheduled: list[SequenceGroup] = []
@@ -262,24 +279,41 @@ class LLMEngine:
             generator = self._generators.get(group.request_id)
             group_seqs: list[SeqStepInput] = []
             try:
-                for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    num_tokens = sched.num_scheduled_tokens.get(seq.seq_id, 0)
-                    if not num_tokens:
-                        continue
+                running = [seq for seq in group.get_seqs(SequenceStatus.RUNNING)
+                           if sched.num_scheduled_tokens.get(seq.seq_id, 0)]
+                sampling = [seq for seq in running if num_samples(group, seq, sched.num_scheduled_tokens[seq.seq_id])]
+                bitmasks = self._grammar_bitmasks(group, sampling)
+                if not group.get_seqs(SequenceStatus.RUNNING):  # every sequence's grammar ended it
+                    early_outputs.append(self._make_output(group))
+                    self._forget(group)
+                    continue
+                for index, seq in enumerate(seq for seq in running if not seq.is_finished()):
+                    num_tokens = sched.num_scheduled_tokens[seq.seq_id]
                     rows = num_samples(group, seq, num_tokens)
-                    row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator) if rows else None
+                    row = (SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator,
+                                       bitmasks.get(seq.seq_id)) if rows else None)
+                    token_ids = seq.get_next_token_ids(num_tokens)
+                    # Prompt logprobs: the first sequence's prompt chunks, in order, each with the prompt
+                    # token after it (its last position predicts that one); never again after a recompute.
+                    prompt_len, start = len(seq.prompt_token_ids), seq.num_computed_tokens
+                    have = len(group.prompt_logprobs or [])
+                    in_prompt = (params.prompt_logprobs is not None and start < prompt_len
+                                 and have == (start + 1 if start else 0))
+                    end = start + num_tokens
                     group_seqs.append(
                         SeqStepInput(
                             seq_id=seq.seq_id,
-                            token_ids=seq.get_next_token_ids(num_tokens),
+                            token_ids=token_ids,
                             start_pos=seq.num_computed_tokens,
                             block_table=block_manager.get_block_table(seq),
                             sampling_row=row,
                             num_samples=max(rows, 1),
+                            prompt_logprobs=params.prompt_logprobs if in_prompt and index == 0 else None,
+                            next_prompt_token=seq.prompt_token_ids[end] if in_prompt and end < prompt_len else None,
                         )
                     )
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                failed.append(self._fail_group(group, "preparing its step", exc))
+                early_outputs.append(self._fail_group(group, "preparing its step", exc))
                 continue
             seqs.extend(group_seqs)
             scheduled.append(group)
@@ -292,6 +326,35 @@ class LLMEngine:
             blocks_to_swap_out=sched.blocks_to_swap_out,
             blocks_to_copy=sched.blocks_to_copy,
         )
+
+    @staticmethod
+    def _add_prompt_logprobs(sched: SchedulerOutputs, computed: dict[int, list] | None) -> None:
+        """Append this step's prompt logprobs (one prompt chunk's) to their groups'."""
+        if not computed:
+            return
+        for group in sched.scheduled_seq_groups:
+            for seq in group.seqs:
+                if seq.seq_id in computed:
+                    # The first token has no logprob: nothing predicts it.
+                    group.prompt_logprobs = (group.prompt_logprobs or [None]) + computed[seq.seq_id]
+
+    def _grammar_bitmasks(self, group: SequenceGroup, running: list[Sequence]) -> dict[int, object]:
+        """Each constrained sequence's bitmask for this step, by seq id. A sequence whose grammar allows
+        no token at all (a constraint nothing can satisfy) is finished here and taken out of ``running``."""
+        constrained = [seq for seq in running if seq.grammar is not None]
+        if not constrained:
+            return {}
+        bitmask, alive = self.structured_outputs.fill_bitmasks([seq.grammar for seq in constrained], self.num_steps)
+        masks: dict[int, object] = {}
+        for index, (seq, has_token) in enumerate(zip(constrained, alive)):
+            if has_token:
+                masks[seq.seq_id] = bitmask[index]
+                continue
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.stop_reason = "structured output: no token can continue the grammar"
+            self.scheduler.free_seq(seq)
+            running.remove(seq)
+        return masks
 
     def _fail_group(self, group: SequenceGroup, stage: str | None, exc: BaseException) -> RequestOutput:
         """Finish a request whose own processing raised: free every block it holds, report an error.
@@ -355,6 +418,7 @@ class LLMEngine:
             error=group.error,
             failed=group.failed,
             num_cached_tokens=group.num_cached_tokens or 0,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -376,6 +440,7 @@ class LLMEngine:
             generation_tokens=self.num_generation_tokens,
             steps=self.num_steps,
         )
+        stats.update(self.structured_outputs.stats())
         comm_stats = getattr(self.worker, "comm_stats", None)
         if comm_stats is not None:  # tensor parallelism: time in collectives, control message size
             stats.update(comm_stats())

@@ -59,8 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
 
 def engine_args_from_cli(args: argparse.Namespace) -> Any:
     """EngineArgs from parsed flags (a positional MODEL, where the command has one, wins)."""
-    from pagedllm.config import EngineArgs
-    from pagedllm.entrypoints.llm import parse_bytes
+    from pagedllm.config import EngineArgs, parse_bytes
 
     return EngineArgs(
         model=getattr(args, "model_tag", None) or args.model,

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.engine.inputs import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def parse_bytes(value: int | float | str | None) -> int | None:
-    """Accept 2147483648, "2GiB", "512MiB", "1.5GB"."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"Cannot read a memory size from {value!r}; use bytes or e.g. '2GiB', '512MiB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 class LLM:
@@ -108,9 +95,17 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in the prompts' order. Bad input raises before any work."""
+        """One RequestOutput per prompt, in the prompts' order. Bad input raises before any work.
+
+        ``priority``: one integer per prompt, lower scheduled first and preempted last (default all 0).
+        """
         prompt_list = _as_prompt_list(prompts)
+        if priority is None:
+            priority = [0] * len(prompt_list)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompt_list)}).")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -128,8 +123,8 @@ class LLM:
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         groups = [
-            engine.make_seq_group(engine.next_request_id(), prompt, params)
-            for prompt, params in zip(prompt_list, params_list)
+            engine.make_seq_group(engine.next_request_id(), prompt, params, priority=rank)
+            for prompt, params, rank in zip(prompt_list, params_list, priority)
         ]
         for group in groups:
             engine.enqueue(group)
@@ -177,20 +172,6 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in request_ids]
-
-
-def render_chat(
-    tokenizer: Any, conversation: list[dict[str, str]], chat_template: str | None, add_generation_prompt: bool
-) -> tuple[str, list[int]]:
-    if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
-        raise ValueError("A conversation must be a list of {'role': ..., 'content': ...} messages.")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
-    text = tokenizer.apply_chat_template(
-        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    # The template already holds any BOS it wants: do not let the tokenizer add another.
-    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -1,7 +1,9 @@
-"""`pagedllm serve`: the command-line flags of the OpenAI-compatible server.
+"""`pagedllm serve`: the command line of the OpenAI-compatible server, its one owner.
 
 The main CLI (entrypoints/cli.py) does ``add_serve_parser(subparsers)``; the parser it adds sets
-``func=serve_main``. Importing this module stays cheap (no torch) so ``--help`` is quick.
+``func=serve_main``, which gathers ServerSettings and calls ``run_server``. Importing this module
+stays cheap (no torch) so ``--help`` is quick. ``python -m pagedllm.entrypoints.serve_cli`` takes
+the same flags.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                              "closed (default %(default)s).")
     limits.add_argument("--limit-concurrency", type=_positive_int, default=defaults.DEFAULT_LIMIT_CONCURRENCY,
                         help="Most open connections or requests in flight; beyond, 503 (default %(default)s).")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--chat-template", default=None,
+                      help="A Jinja chat template (a file, or the template text) instead of the tokenizer's.")
+    chat.add_argument("--response-role", default="assistant",
+                      help="The role of the replies of /v1/chat/completions (default %(default)s).")
+    chat.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                      help="How tool calls are read out of replies (tool_choice auto): hermes (<tool_call> "
+                           "blocks; Hermes, Qwen2.5) or llama3_json (a JSON object; Llama 3.1/3.2).")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='Allow tool_choice "auto" (needs --tool-call-parser).')
+    parser.add_argument("--root-path", default="",
+                        help="The path prefix a proxy in front of the server strips (FastAPI's root_path).")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     parser.add_argument("--disable-log-requests", action="store_true", help="No log line per request.")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -74,6 +88,36 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def server_settings(args: argparse.Namespace) -> Any:
+    """ServerSettings from parsed flags."""
+    from pagedllm.entrypoints.engine_flags import engine_args_from_cli
+    from pagedllm.entrypoints.openai.settings import ServerSettings
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser.")
+    return ServerSettings(
+        engine_args=engine_args_from_cli(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_headers=args.timeout_headers,
+        timeout_body=args.timeout_body,
+        limit_concurrency=args.limit_concurrency,
+        log_level=args.log_level,
+        log_requests=not args.disable_log_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        chat_template=args.chat_template,
+        response_role=args.response_role,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        root_path=args.root_path,
+    )
+
+
 def serve_main(args: argparse.Namespace) -> None:
     # Bind before importing the server (torch and the model take seconds): a busy port fails at once.
     import logging
@@ -90,4 +134,15 @@ def serve_main(args: argparse.Namespace) -> None:
             raise SystemExit(1) from None
     from pagedllm.entrypoints.openai.api_server import run_server
 
-    run_server(args, sock)
+    run_server(server_settings(args), sock)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.serve_cli",
+                                     description="pagedllm OpenAI-compatible server")
+    add_server_args(parser, model_positional=False)
+    serve_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,12 +2,15 @@
 
 Order of operations (per row, vectorised over the batch):
 
+0. structured outputs: tokens the row's grammar forbids get -inf (so every logprob reported,
+   and every beam candidate, is inside the grammar, as with vLLM's bitmask before the sampler);
 1. raw logprobs = log_softmax(raw logits); reported logprobs and cumulative logprobs use these
    (vLLM V1's default "raw" logprobs mode);
 2. min_tokens: while fewer than ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``)
    and ``stop_token_ids`` are masked;
 3. repetition penalty (Hugging Face semantics, over prompt + output tokens);
 4. presence / frequency penalties (OpenAI semantics, over output tokens);
+4b. logit_bias (OpenAI's: added to the logits of the given tokens);
 5. greedy rows (temperature 0) take the argmax here;
 6. temperature, top-k, top-p, min-p, then a draw.
 
@@ -34,6 +37,7 @@ from pagedllm.sampling.penalties import (
     token_counts,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.manager import apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class SamplingRow:
     output_token_ids: list[int]
     # Per-request generator seeded with params.seed; None -> the engine's shared generator.
     generator: torch.Generator | None = None
+    # Structured outputs: [ceil(V / 32)] int32 bitmask of the tokens the grammar allows (None: all).
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +69,8 @@ class SamplerOutput:
     # Rows whose sampling raised (row index -> the exception): their token is a placeholder and the
     # engine finishes their request with an error; every other row was sampled normally.
     failed_rows: dict[int, BaseException] = field(default_factory=dict)
+    # prompt_logprobs by seq id (see pagedllm/sampling/prompt_logprobs.py), for the sequences asking.
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -138,15 +146,20 @@ class Sampler:
     ) -> SamplerOutput:
         # Some models pad the vocabulary; padded columns are never sampled.
         logits = logits[:, : self.vocab_size].float()
+        if any(row.token_bitmask is not None for row in rows):
+            # In place: masking twice (a retry row by row) gives the same logits.
+            apply_token_bitmask(logits, [row.token_bitmask for row in rows])
 
         banned = self._min_tokens_banned(rows)
         needs_repetition = any(row.params.repetition_penalty != 1.0 for row in rows)
         needs_presence_frequency = any(
             row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0 for row in rows
         )
+        needs_bias = any(row.params.logit_bias for row in rows)
         wants_top = any(row.params.logprobs is not None for row in rows)
         all_greedy = all(_is_deterministic(row.params) for row in rows)
-        plain_greedy = all_greedy and banned is None and not needs_repetition and not needs_presence_frequency
+        plain_greedy = (all_greedy and banned is None and not needs_repetition and not needs_presence_frequency
+                        and not needs_bias)
         # Plain greedy needs only each row's argmax and its logprob: one fused pass where our CPU
         # kernel is built, not a [N, V] log_softmax.
         picked = greedy_pick(logits) if plain_greedy and not return_full_logprobs and not wants_top else None
@@ -163,6 +176,8 @@ class Sampler:
                     apply_min_tokens(processed, banned)
                 if needs_repetition or needs_presence_frequency:
                     self._apply_penalties(processed, rows, needs_repetition, needs_presence_frequency)
+                if needs_bias:
+                    _apply_logit_bias(processed, rows)
                 token_ids = self._choose(processed, rows, generator)
             chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         token_list: list[int] = token_ids.tolist()
@@ -280,6 +295,23 @@ class Sampler:
                     entry.setdefault(token_id, value)
             result.append(entry)
         return result
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    row_index: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_index.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    device = logits.device
+    logits.index_put_(
+        (torch.tensor(row_index, device=device), torch.tensor(token_ids, device=device)),
+        torch.tensor(biases, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
 
 
 def _is_deterministic(params: SamplingParams) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
+from pagedllm.sampling.prompt_logprobs import prompt_logprobs, prompt_row_chunks
 from pagedllm.step_timing import StepTimer
 
 
@@ -29,6 +30,17 @@ class SeqStepInput:
     block_table: list[int]
     sampling_row: SamplingRow | None  # None: compute only, do not sample (a chunk mid-prompt)
     num_samples: int = 1  # > 1 on the prompt step of best_of / parallel sampling: rows share the logits
+    # Top-k of the logprobs of the prompt tokens this step computes (prompt_logprobs); None: not asked.
+    prompt_logprobs: int | None = None
+    # With prompt_logprobs on a chunk that does not end the prompt: the prompt token after the chunk,
+    # which the chunk's last position predicts.
+    next_prompt_token: int | None = None
+
+    @property
+    def prompt_logprob_targets(self) -> list[int]:
+        """The prompt tokens this step's positions predict (prompt_logprobs)."""
+        extra = [] if self.next_prompt_token is None else [self.next_prompt_token]
+        return self.token_ids[1:] + extra
 
 
 @dataclass
@@ -98,12 +110,38 @@ class ModelRunner:
                     for _ in range(seq.num_samples)]
         with timer.phase("forward"):
             hidden = self.model(input_ids, positions, kv_caches, meta)
-        if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         with timer.phase("logits"):
+            prompt = {
+                seq.seq_id: prompt_logprobs(self.model.compute_logits, hidden, start, seq.prompt_logprob_targets,
+                                            seq.prompt_logprobs, self.sampler.vocab_size)
+                for seq, start in self.prompt_logprob_seqs(step)
+            }
+            if not rows:  # prompt chunks only
+                output = SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+                output.prompt_logprobs = prompt
+                return output
             logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
         with timer.phase("sample"):
-            return self.sampler(logits, rows, generator)
+            output = self.sampler(logits, rows, generator)
+        output.prompt_logprobs = prompt
+        return output
+
+    @staticmethod
+    def prompt_logprob_seqs(step: StepInput) -> list[tuple[SeqStepInput, int]]:
+        """The sequences asking for prompt logprobs, each with the flattened row of its first token."""
+        found = []
+        start = 0
+        for seq in step.seqs:
+            if seq.prompt_logprobs is not None:
+                found.append((seq, start))
+            start += len(seq.token_ids)
+        return found
+
+    def compute_prompt_logits_shard(self, step: StepInput, hidden: torch.Tensor) -> None:
+        """A tensor-parallel rank's part of the prompt logprobs: the same logits calls as rank 0's."""
+        for seq, start in self.prompt_logprob_seqs(step):
+            for rows in prompt_row_chunks(start, len(seq.prompt_logprob_targets)):
+                self.model.compute_logits(hidden[rows.start : rows.stop])
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

@@ -114,6 +114,8 @@ class Worker:
         """A non-zero rank: the forward pass and its slice of the logits (gathered on rank 0), no sampling."""
         input_ids, positions, meta, sample_indices = self.runner.prepare(step)
         hidden = self.model(input_ids, positions, self.cache_engine.kv_caches, meta)
+        # The same logits calls, in the same order, as rank 0's runner: prompt logprobs, then samples.
+        self.runner.compute_prompt_logits_shard(step, hidden)
         if sample_indices.numel():
             self.model.compute_logits(hidden.index_select(0, sample_indices))
         return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])

@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
+from pagedllm.entrypoints.openai.guard import route_path
 
 PREFIX = "/dashboard"
 
@@ -38,7 +39,7 @@ class DashboardKeyMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PREFIX) and scope.get("query_string"):
+        if scope["type"] == "http" and route_path(scope).startswith(PREFIX) and scope.get("query_string"):
             keys = parse_qs(scope["query_string"].decode("latin-1")).get("key")
             headers = scope.get("headers", [])
             if keys and not any(name == b"authorization" for name, _ in headers):

@@ -1,13 +1,11 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner.
+"""The OpenAI-compatible HTTP server: the FastAPI app factory and the uvicorn runner.
 
-    pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] ...
-    python -m pagedllm.entrypoints.openai.api_server [same flags]
+The command line lives in pagedllm/entrypoints/serve_cli.py (``pagedllm serve``), which gathers
+ServerSettings and calls run_server; the routes live in router.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -20,13 +18,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.defaults import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -36,19 +34,12 @@ from pagedllm.entrypoints.openai.defaults import (
 from pagedllm.entrypoints.openai.guard import GuardMiddleware
 from pagedllm.entrypoints.openai.http_limits import PortInUseError, bind_socket, is_serving_rank, server_config
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from pagedllm.entrypoints.openai.router import router
 from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, conversation, render_chat_checked
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -96,13 +87,23 @@ def build_app(
     timeout_body: float = DEFAULT_TIMEOUT_BODY,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     on_engine_dead: Callable[[BaseException], None] | None = None,
+    chat_template: str | None = None,
+    response_role: str = "assistant",
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args unless ``engine`` is given).
 
     The engine loop starts with the app's lifespan and stops with it; a shutdown fails the
     requests in flight with an error. ``on_engine_dead`` is called once if the engine fails for
     good (run_server ends the process there); without it the app stays up and answers 503/500.
+    ``chat_template``: a file or the template text, used instead of the tokenizer's.
     """
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
+    template = load_chat_template(chat_template)
     if engine is None:
         from pagedllm.engine.llm_engine import LLMEngine
 
@@ -127,9 +128,8 @@ def build_app(
         vocab_size=int(model_config.hf_config.vocab_size),
         tokenizer=engine.tokenizer,
         max_prompts_per_request=max_prompts_per_request,
+        structured=getattr(engine, "structured_outputs", None),
     )
-    completions = OpenAIServingCompletion(ctx)
-    chats = OpenAIServingChat(ctx)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -146,10 +146,18 @@ def build_app(
     app.state.async_engine = async_engine
     app.state.serving_context = ctx
     app.state.metrics = metrics
+    app.state.serving_completion = OpenAIServingCompletion(ctx)
+    parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser is not None else None
+    app.state.serving_chat = OpenAIServingChat(ctx, template, response_role, parser, enable_auto_tool_choice)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        log_requests=log_requests, timeout_body=timeout_body)
     install_dashboard(app, async_engine, names[0])  # after the guard: its ?key= handling must run first
+    _install_error_handlers(app, ctx)
+    app.include_router(router)
+    return app
 
+
+def _install_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     @app.exception_handler(APIError)
     async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
         request.scope.setdefault("pagedllm.log", {})["error"] = repr(exc.message[:120])
@@ -174,78 +182,6 @@ def build_app(
         logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return APIError(500, "Internal server error; the server log has the details.",
                         err_type="server_error").response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_healthy:
-            if async_engine.dead_error is not None:
-                message = "The engine has failed; the server is shutting down to be restarted."
-            else:
-                message = "The server is shutting down."
-            return APIError(503, message, code="unhealthy").response()
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": pagedllm.__version__})
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len) for name in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
-
-    @app.get("/metrics")
-    async def get_metrics() -> Response:
-        if async_engine.is_healthy:
-            with contextlib.suppress(Exception):
-                metrics.update_stats(await asyncio.wait_for(async_engine.get_stats(), timeout=10))
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize", response_model=TokenizeResponse)
-    async def tokenize(request: TokenizeRequest) -> JSONResponse:
-        ctx.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("Give exactly one of prompt (text) or messages (a chat).", "prompt")
-
-        def encode() -> list[int]:
-            if request.prompt is not None:
-                try:
-                    return list(ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
-                except Exception as exc:  # the tokenizer's error text means nothing to a client
-                    logger.warning("tokenizing failed", exc_info=exc)
-                    raise bad_request("prompt could not be tokenized; send plain UTF-8 text.", "prompt") from exc
-            return render_chat_checked(ctx.tokenizer, conversation(request.messages or []),
-                                       request.add_generation_prompt)[1]
-
-        try:
-            token_ids = await async_engine.run_in_engine_thread(encode)
-        except ValueError as exc:  # render_chat_checked's messages say what to change
-            raise bad_request(str(exc), "messages") from exc
-        body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids)
-        return JSONResponse(body.model_dump())
-
-    @app.post("/detokenize", response_model=DetokenizeResponse)
-    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
-        ctx.check_model(request.model)
-        bad = [t for t in request.tokens if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise bad_request(f"Token id {bad[0]} is out of the vocabulary range [0, {ctx.vocab_size}).", "tokens")
-        text = await async_engine.run_in_engine_thread(ctx.tokenizer.decode, request.tokens)
-        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
-
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completions.create_completion(request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chats.create_chat_completion(request, raw_request)
-
-    return app
 
 
 class _Server(uvicorn.Server):
@@ -277,30 +213,26 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
-    """Bind the port (unless ``sock`` is bound already), build the engine from parsed CLI flags,
-    serve until SIGINT/SIGTERM.
+def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    """Bind the port (unless ``sock`` is bound already), build the engine, serve until SIGINT/SIGTERM.
 
     Exits 1 if the port cannot be bound (before the model loads) and 1 if the engine fails for
     good: the requests in flight are answered with an error, then the process ends so that a
     supervisor restarts it (as vLLM does).
     """
-    from pagedllm.entrypoints.engine_flags import engine_args_from_cli
-
-    log_level = str(getattr(args, "log_level", "info")).upper()
+    log_level = settings.log_level.upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(log_level)
     if sock is None and is_serving_rank():  # torchrun's other ranks only compute (they never serve)
         try:
-            sock = bind_socket(args.host, args.port)
+            sock = bind_socket(settings.host, settings.port)
         except PortInUseError as exc:
             logger.error("%s", exc)
             raise SystemExit(1) from None
     if sock is not None:
-        logger.info("Listening on http://%s:%d; loading the model", args.host, args.port)
-    engine_args = engine_args_from_cli(args)
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    shutdown_timeout = float(getattr(args, "shutdown_timeout", 10))
+        logger.info("Listening on http://%s:%d; loading the model", settings.host, settings.port)
+    engine_args = settings.engine_args
+    api_key = settings.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     servers: list[_Server] = []
 
     def on_engine_dead(exc: BaseException) -> None:
@@ -309,49 +241,45 @@ def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         for server in servers:
             server.should_exit = True
         # Should the graceful shutdown hang, end the process anyway: a dead engine must not stay up.
-        backstop = threading.Timer(shutdown_timeout + 5.0, os._exit, args=(1,))
+        backstop = threading.Timer(settings.shutdown_timeout + 5.0, os._exit, args=(1,))
         backstop.daemon = True
         backstop.start()
 
-    app = build_app(
-        engine_args,
-        served_model_name=args.served_model_name,
-        api_key=api_key,
-        max_request_bytes=args.max_request_bytes,
-        log_requests=not getattr(args, "disable_log_requests", False),
-        timeout_body=args.timeout_body,
-        max_prompts_per_request=args.max_prompts_per_request,
-        on_engine_dead=on_engine_dead,
-    )
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("Listening on %s: reachable from other machines%s", args.host,
+    try:
+        app = build_app(
+            engine_args,
+            served_model_name=settings.served_model_name,
+            api_key=api_key,
+            max_request_bytes=settings.max_request_bytes,
+            log_requests=settings.log_requests,
+            timeout_body=settings.timeout_body,
+            max_prompts_per_request=settings.max_prompts_per_request,
+            on_engine_dead=on_engine_dead,
+            chat_template=settings.chat_template,
+            response_role=settings.response_role,
+            tool_call_parser=settings.tool_call_parser,
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        )
+    except ValueError as exc:  # a setting that cannot work: say which, exit 2 as argparse does
+        logger.error("%s", exc)
+        raise SystemExit(2) from None
+    if settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("Listening on %s: reachable from other machines%s", settings.host,
                        "" if api_key else " and no --api-key is set")
     config = server_config(
         app,
-        timeout_keep_alive=args.timeout_keep_alive,
-        timeout_headers=args.timeout_headers,
-        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=settings.timeout_keep_alive,
+        timeout_headers=settings.timeout_headers,
+        limit_concurrency=settings.limit_concurrency,
         log_level=log_level.lower(),
         access_log=False,  # GuardMiddleware writes one line per request
-        timeout_graceful_shutdown=int(shutdown_timeout),
+        timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        root_path=settings.root_path,  # uvicorn sets the ASGI root_path the app's routes and docs use
     )
     server = _Server(config, app.state.async_engine)
     servers.append(server)
-    logger.info("Serving %s on http://%s:%d", args.served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
-                args.host, args.port)
+    name = (settings.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME])[0]
+    logger.info("Serving %s on http://%s:%d", name, settings.host, settings.port)
     server.run(sockets=[sock] if sock is not None else None)
     if app.state.async_engine.dead_error is not None:
         raise SystemExit(1)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from pagedllm.entrypoints.serve_cli import add_server_args
-
-    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server",
-                                     description="pagedllm OpenAI-compatible server")
-    add_server_args(parser, model_positional=False)
-    run_server(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

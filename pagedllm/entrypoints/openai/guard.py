@@ -27,6 +27,12 @@ OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 _CLOSE = [(b"connection", b"close")]
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: without the ASGI root_path (``--root-path``) in front."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class GuardMiddleware:
     def __init__(
         self,
@@ -43,7 +49,7 @@ class GuardMiddleware:
         self.timeout_body = timeout_body
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.expected_auth is None or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if self.expected_auth is None or route_path(scope) in OPEN_PATHS or scope["method"] == "OPTIONS":
             return True
         provided = b""
         for name, value in scope.get("headers", []):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -15,9 +16,12 @@ from pydantic import (
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from pagedllm.engine.inputs import unencodable_char
+
+logger = logging.getLogger("pagedllm.api")
 
 # torch.manual_seed takes a signed or unsigned 64-bit seed; refuse what it cannot take up front.
 _SEED_MIN = -(1 << 63)
@@ -73,8 +77,19 @@ class RequestModel(OpenAIModel):
     """A request body: every string in it must be valid Unicode (no lone UTF-16 surrogates).
 
     JSON can carry an unpaired surrogate as a "\\ud800" escape; no tokenizer can encode it and no
-    response could echo it, so it is a 400 here, naming the field.
+    response could echo it, so it is a 400 here, naming the field. A field neither OpenAI nor vLLM
+    defines is ignored with a logged warning (as vLLM does); every field they define is declared
+    here, and either implemented or refused with a 400 naming it.
     """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self) -> RequestModel:
+        if self.model_extra:
+            names = ", ".join(sorted(self.model_extra)[:20])
+            logger.warning("%s: ignoring unknown field(s): %s", type(self).__name__, names)
+        return self
 
     @field_validator("*", mode="after")
     @classmethod
@@ -111,6 +126,32 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: Bool | None = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's structured_outputs object: exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool = False
+    structural_tag: str | dict[str, Any] | None = None
+    whitespace_pattern: str | None = None
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -131,7 +172,9 @@ class SamplingFields(RequestModel):
     frequency_penalty: Number | None = 0.0
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # written to the request's log line
+    logit_bias: dict[str, Number] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: Int | None = None
     min_p: Number | None = None
@@ -144,6 +187,15 @@ class SamplingFields(RequestModel):
     length_penalty: Number = 1.0
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
+    prompt_logprobs: Int | None = None
+    priority: Int = 0
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -152,13 +204,49 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
-    logit_bias: dict[str, Number] | None = None
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(RequestModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    # OpenAI's older assistant field, refused (see serving_chat).
+    function_call: dict[str, Any] | None = None
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -167,10 +255,31 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
-    logit_bias: dict[str, Number] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = True
+    # OpenAI fields this server refuses unless left at a value that asks for nothing (serving_chat).
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: Bool | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Implemented by the server's automatic prefix caching, which needs no key; safety_identifier
+    # is written to the log line as user is.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's chat extras
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     echo: Bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -189,6 +298,8 @@ class CompletionResponseChoice(OpenAIModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt token {token id (as text): {logprob, rank, decoded_token}}, None for the first.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -246,6 +357,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class DeltaMessage(OpenAIModel):
@@ -295,6 +407,9 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(OpenAIModel):

@@ -22,8 +22,10 @@ from pagedllm.engine.async_engine import (
     RequestFailedError,
     RequestRejectedError,
 )
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.inputs import InvalidRequestError
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sequence import RequestOutput
+from pagedllm.structured import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -92,6 +94,23 @@ def param_of(message: str, known: set[str]) -> str | None:
     return match.group(1) if match and match.group(1) in known else None
 
 
+def logit_bias(request: Any, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id as text": bias}) as {token id: bias}."""
+    if not request.logit_bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in request.logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}.", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias: token id {token_id} is out of the vocabulary range [0, {vocab_size}).",
+                              "logit_bias")
+        result[token_id] = value
+    return result
+
+
 @dataclass
 class ServingContext:
     """The server's view of the engine, shared by every handler."""
@@ -104,19 +123,38 @@ class ServingContext:
     vocab_size: int
     tokenizer: Any
     max_prompts_per_request: int = 1024
+    structured: StructuredOutputManager | None = None
     _token_text_cache: dict[int, str] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    @staticmethod
+    def identity(request: Any) -> dict[str, str]:
+        """The end-user identifiers a request carries (user, safety_identifier), for its log line."""
+        found = {}
+        for name in ("user", "safety_identifier"):
+            value = getattr(request, name, None)
+            if value:
+                found[name] = repr(value[:64])
+        return found
+
     def check_model(self, model: str | None) -> None:
         if model is None or model == "" or model in self.served_model_names:
             return
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def make_sampling_params(self, request: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def make_sampling_params(
+        self,
+        request: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """SamplingParams from a request's fields; each bad field a 400 naming it."""
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream set to true.", "stream_options")
         n = request.n
         best_of = request.best_of
         for name, value in (("n", n), ("best_of", best_of)):
@@ -141,6 +179,9 @@ class ServingContext:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             use_beam_search=request.use_beam_search,
             length_penalty=request.length_penalty,
+            prompt_logprobs=request.prompt_logprobs,
+            logit_bias=logit_bias(request, self.vocab_size),
+            structured_outputs=structured,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(request, name)
@@ -153,6 +194,16 @@ class ServingContext:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc), set(kwargs) | {"stop"})) from exc
+
+    async def compile_grammar(self, spec: StructuredOutputsParams | None, field_name: str | None) -> None:
+        """Compile a request's constraint off the engine thread (a large schema takes a while), so a bad
+        one is a 400 naming the request's field; the engine then finds it in the grammar cache."""
+        if spec is None or self.structured is None:
+            return
+        try:
+            await asyncio.to_thread(self.structured.compiler.compile, spec)
+        except InvalidRequestError as exc:
+            raise bad_request(f"{field_name}: {exc}", field_name) from exc
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
         """Refuse a prompt (plus requested completion) that cannot fit the context, with both numbers."""
@@ -180,13 +231,18 @@ class ServingContext:
         return text
 
     async def add_requests(
-        self, request_ids: list[str], prompts: list[Any], params: SamplingParams, prompt_param: str = "prompt"
+        self,
+        request_ids: list[str],
+        prompts: list[Any],
+        params: SamplingParams,
+        prompt_param: str = "prompt",
+        priority: int = 0,
     ) -> None:
         """Queue every prompt or none: a prompt the engine refuses aborts the ones queued before it."""
         added: list[str] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                await self.async_engine.add_request(request_id, prompt, params)
+                await self.async_engine.add_request(request_id, prompt, params, priority=priority)
                 added.append(request_id)
         except BaseException as exc:
             for request_id in added:

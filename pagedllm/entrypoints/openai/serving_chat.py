@@ -1,17 +1,17 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or not."""
+"""POST /v1/chat/completions: messages (and tools) rendered with a chat template, streamed or not."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.llm import render_chat
+from pagedllm.entrypoints.chat_utils import render_chat_checked
+from pagedllm.entrypoints.openai.chat_tools import ToolCallStream, ToolPlan, parse_reply, tool_plan
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionRequest,
@@ -21,33 +21,38 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
-    UsageInfo,
     random_id,
 )
+from pagedllm.entrypoints.openai.request_fields import refuse_unsupported_chat_fields, structured_outputs
 from pagedllm.entrypoints.openai.serving_base import (
     ClosingStreamingResponse,
     ServingContext,
     bad_request,
-    merge_streams,
-    run_until_disconnect,
     set_log_info,
-    sse,
-    stop_holdback,
 )
-from pagedllm.entrypoints.openai.serving_completion import finite
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import RequestOutput
+from pagedllm.entrypoints.openai.serving_completion import finite, vllm_prompt_logprobs
+from pagedllm.entrypoints.openai.streaming import ChoiceDelta, DeltaTracker, event_stream, final_outputs
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 
 logger = logging.getLogger("pagedllm.api")
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Plain {"role", "content"} dicts for the template; text parts of a content list are joined."""
+def _arguments_for_template(arguments: str) -> Any:
+    # Chat templates (Hugging Face's convention) expect the arguments as a mapping.
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them; text parts of a content list are joined."""
     if not messages:
         raise bad_request("messages must hold at least one message.", "messages")
-    result: list[dict[str, str]] = []
+    result: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message.role not in _ROLES:
             raise bad_request(
@@ -64,29 +69,24 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(part["text"])
             content = "\n".join(parts)
-        result.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        for name in ("name", "refusal"):
+            if getattr(message, name) is not None:
+                entry[name] = getattr(message, name)
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls.", f"messages.{i}")
+            entry["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": _arguments_for_template(call.function.arguments)}}
+                for call in message.tool_calls
+            ]
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise bad_request(f"messages[{i}]: a tool message needs tool_call_id.", f"messages.{i}.tool_call_id")
+            entry["tool_call_id"] = message.tool_call_id
+        result.append(entry)
     return result
-
-
-def render_chat_checked(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
-) -> tuple[str, list[int]]:
-    """render_chat whose failures are ValueErrors a client can act on, never a Python error's text.
-
-    A template's own error (jinja2 TemplateError, e.g. raise_exception("roles must alternate")) is
-    the template author's message about the conversation, and is passed on.
-    """
-    try:
-        return render_chat(tokenizer, messages, None, add_generation_prompt)
-    except ValueError:
-        raise
-    except jinja2.TemplateError as exc:
-        raise ValueError(f"The chat template refused these messages: {exc.message or 'no reason given'}") from exc
-    except Exception as exc:  # noqa: BLE001 - tokenizer and template internals: log, answer plainly
-        logger.warning("rendering a chat failed", exc_info=exc)
-        raise ValueError(
-            "These messages could not be rendered with the model's chat template; check their roles and contents."
-        ) from exc
 
 
 def chat_logprobs(
@@ -113,24 +113,49 @@ def chat_logprobs(
     return ChatChoiceLogProbs(content=content)
 
 
-class OpenAIServingChat:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """On the engine thread: the chat template applied and tokenized; template errors are 400s."""
-        return render_chat_checked(self.ctx.tokenizer, messages, add_generation_prompt)
+
+class OpenAIServingChat:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
+        tool_parser: ToolParser | None = None,
+        enable_auto_tool_choice: bool = False,
+    ) -> None:
+        self.ctx = ctx
+        self.chat_template = chat_template
+        self.response_role = response_role
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def render(self, request: Any, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """On the engine thread: the chat template applied and tokenized; ValueError says what is wrong."""
+        return render_chat_checked(
+            self.ctx.tokenizer,
+            conversation(request.messages or []),
+            chat_template=request.chat_template or self.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            tools=tools,
+            continue_final_message=getattr(request, "continue_final_message", False),
+            template_kwargs=getattr(request, "chat_template_kwargs", None),
+        )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         ctx = self.ctx
         ctx.check_model(request.model)
         ctx.async_engine.check_alive()
-        if request.logit_bias:
-            raise bad_request("logit_bias is not supported.", "logit_bias")
+        refuse_unsupported_chat_fields(request)
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of must equal n (or be left out) when streaming.", "best_of")
         if request.stream and request.use_beam_search:
             raise bad_request("Beam search cannot stream; set stream to false.", "use_beam_search")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
+                              "continue_final_message")
         top_logprobs: int | None = None
         if request.logprobs:
             top_logprobs = request.top_logprobs or 0
@@ -138,154 +163,112 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         if top_logprobs is not None and not 0 <= top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {top_logprobs}.", "top_logprobs")
+        plan = tool_plan(request, self.tool_parser, self.enable_auto_tool_choice)
+        spec, spec_field = structured_outputs(request)
+        if plan.constraint is not None:
+            if spec is not None:
+                raise bad_request(f"tool_choice {plan.mode!r} constrains the reply already; drop {spec_field}.",
+                                  spec_field)
+            spec, spec_field = plan.constraint, "tools"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = ctx.make_sampling_params(request, max_tokens, top_logprobs)
-        messages = conversation(request.messages)
+        params = ctx.make_sampling_params(request, max_tokens, top_logprobs, spec)
+        await ctx.compile_grammar(spec, spec_field)
         try:
-            text, token_ids = await ctx.async_engine.run_in_engine_thread(
-                self._render, messages, request.add_generation_prompt
-            )
+            text, token_ids = await ctx.async_engine.run_in_engine_thread(self.render, request, plan.tools)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
         ctx.check_length(len(token_ids), max_tokens, "messages")
         request_id = random_id("chatcmpl")
-        set_log_info(raw_request, id=request_id)
-        await ctx.add_requests([request_id], [{"prompt_token_ids": token_ids, "prompt": text}], params, "messages")
-        stream = ctx.async_engine.stream_outputs(request_id)
+        set_log_info(raw_request, id=request_id, **ctx.identity(request))
+        await ctx.add_requests([request_id], [{"prompt_token_ids": token_ids, "prompt": text}], params, "messages",
+                               priority=request.priority)
+        streams = [ctx.async_engine.stream_outputs(request_id)]
+        role = self.response_role if request.add_generation_prompt else request.messages[-1].role
+        # vLLM's echo: a reply in the last message's role starts with that message's text.
+        echo = ""
+        if request.echo and request.messages[-1].role == role:
+            echo = conversation(request.messages[-1:])[0]["content"]
         if request.stream:
             return ClosingStreamingResponse(
-                self._stream(request, raw_request, request_id, params, top_logprobs, stream),
+                self._stream(request, raw_request, request_id, role, echo, plan, top_logprobs,
+                             params.stop_strings, streams),
                 on_close=lambda: ctx.abort_unfinished([request_id]),
             )
-
-        async def collect() -> RequestOutput | None:
-            final = None
-            try:
-                async for output in stream:
-                    final = output
-            finally:
-                ctx.abort_unfinished([request_id])
-            return final
-
-        try:
-            final = await run_until_disconnect(raw_request, collect(), lambda: ctx.abort_unfinished([request_id]))
-        except Exception as exc:
-            raise ctx.engine_error(exc) from exc
-        if final is None:
+        finals = await final_outputs(ctx, raw_request, [request_id], streams)
+        if finals is None:
             return Response(status_code=499)
+        final = finals[0]
+        tracker = DeltaTracker(request.n, [])
+        tracker.deltas(0, final)
         choices = []
-        num_generated = 0
         for completion in final.outputs:
-            num_generated += len(completion.token_ids)
             logprobs = None
             if top_logprobs is not None and completion.logprobs is not None:
                 logprobs = chat_logprobs(ctx, completion.token_ids, completion.logprobs, top_logprobs)
+            content, calls = parse_reply(plan, completion.text)
+            if echo and not calls:
+                content = echo + (content or "")
+            message = ChatResponseMessage(role=role, content=content, tool_calls=[c.to_openai() for c in calls])
             choices.append(
                 ChatCompletionResponseChoice(
                     index=completion.index,
-                    message=ChatResponseMessage(content=completion.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
+                    finish_reason=_finish_reason(completion.finish_reason, bool(calls)),
                     stop_reason=completion.stop_reason,
                 )
             )
-        num_prompt = len(final.prompt_token_ids)
-        set_log_info(raw_request, prompt_tokens=num_prompt, completion_tokens=num_generated)
-        response = ChatCompletionResponse(
-            id=request_id,
-            model=ctx.model_name,
-            choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated),
-        )
+        usage = tracker.usage()
+        set_log_info(raw_request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(ctx, final.prompt_token_ids, final.prompt_logprobs)
+        response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage,
+                                          prompt_logprobs=prompt_logprobs)
         return JSONResponse(response.model_dump())
 
-    async def _stream(
+    def _stream(
         self,
         request: ChatCompletionRequest,
         raw_request: Request,
         request_id: str,
-        params: SamplingParams,
+        role: str,
+        echo: str,
+        plan: ToolPlan,
         top_logprobs: int | None,
-        stream: Any,
-    ) -> AsyncGenerator[str, None]:
+        stop_strings: list[str],
+        streams: list[Any],
+    ):
         ctx = self.ctx
         created = int(time.time())
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        tool_streams: dict[int, ToolCallStream] = {}
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return sse(body)
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                    "choices": choices}
 
-        sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        finished: set[int] = set()
-        num_prompt = num_generated = 0
-        try:
-            # OpenAI opens every choice with the assistant role and empty content.
-            yield chunk(
-                [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(request.n)
-                ]
-            )
-            async for _, output in merge_streams([stream]):
-                num_prompt = len(output.prompt_token_ids)
-                num_generated = sum(len(c.token_ids) for c in output.outputs)
-                for completion in output.outputs:
-                    index = completion.index
-                    if index in finished:
-                        continue
-                    done = completion.finish_reason is not None
-                    text = completion.text
-                    start = sent_chars.get(index, 0)
-                    end = len(text) if done else len(text) - stop_holdback(text, params.stop_strings)
-                    end = max(end, start)
-                    first_token = sent_tokens.get(index, 0)
-                    new_token_ids = completion.token_ids[first_token:]
-                    want_logprobs = top_logprobs is not None and completion.logprobs is not None
-                    if end == start and not done and not (want_logprobs and new_token_ids):
-                        continue
-                    logprobs = None
-                    if want_logprobs:
-                        logprobs = chat_logprobs(
-                            ctx, new_token_ids, completion.logprobs[first_token:], top_logprobs  # type: ignore[arg-type,index]
-                        ).model_dump()
-                    delta = {"content": text[start:end]} if end > start else {}
-                    yield chunk(
-                        [
-                            {
-                                "index": index,
-                                "delta": delta,
-                                "logprobs": logprobs,
-                                "finish_reason": completion.finish_reason if done else None,
-                                "stop_reason": completion.stop_reason if done else None,
-                            }
-                        ]
-                    )
-                    sent_chars[index] = end
-                    sent_tokens[index] = len(completion.token_ids)
-                    if done:
-                        finished.add(index)
-            set_log_info(raw_request, prompt_tokens=num_prompt, completion_tokens=num_generated)
-            if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated
-                )
-                yield chunk([], usage.model_dump())
-        except GeneratorExit:
-            set_log_info(raw_request, disconnected=True)
-            raise
-        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
-            error = ctx.engine_error(exc)
-            set_log_info(raw_request, error=error.message[:200], error_status=error.status_code)
-            yield sse(error.body())
-        yield sse("[DONE]")
+        def choice_chunks(delta: ChoiceDelta) -> list[dict[str, Any]]:
+            state = tool_streams.setdefault(delta.index, ToolCallStream(plan))
+            messages = state.delta(delta.text, delta.finished)
+            logprobs = None
+            new_token_ids = delta.new_token_ids
+            if top_logprobs is not None and delta.completion.logprobs is not None and new_token_ids:
+                logprobs = chat_logprobs(ctx, new_token_ids, delta.completion.logprobs[delta.first_token :],
+                                         top_logprobs).model_dump()
+            if not messages and (logprobs is not None or delta.finished):
+                messages = [{}]
+            choices = [{"index": delta.index, "delta": message, "logprobs": None, "finish_reason": None}
+                       for message in messages]
+            if choices:
+                choices[0]["logprobs"] = logprobs
+                if delta.finished:
+                    choices[-1]["finish_reason"] = _finish_reason(delta.completion.finish_reason,
+                                                                  state.sent_calls > 0)
+                    choices[-1]["stop_reason"] = delta.completion.stop_reason
+            return choices
+
+        # OpenAI opens every choice with the role and empty content (here: what echo repeats).
+        opening = [{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None, "finish_reason": None}
+                   for i in range(request.n)]
+        tracker = DeltaTracker(request.n, stop_strings)
+        return event_stream(ctx, raw_request, streams, tracker, chunk, choice_chunks, request.stream_options, opening)
