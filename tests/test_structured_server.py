@@ -35,7 +35,11 @@ def server(tmp_path_factory):
 
 def test_default_model_json_schema_answers_validate_streamed_and_not():
     """16 prompts with the embedded default model, each asked streaming and not, all in one batch."""
-    app = build_app(EngineArgs(num_kv_blocks=256, device="cpu", num_threads=2), served_model_name="default")
+    # Float activations: the two copies of a prompt are cut into different chunks (they arrive at
+    # different times), and int8 rounding of activations can turn such summation-order differences
+    # into another greedy token; this test is about streaming and grammars, not that.
+    app = build_app(EngineArgs(num_kv_blocks=256, device="cpu", num_threads=2, int8_activations=False),
+                    served_model_name="default")
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     prompts = [f"Invent person number {i}. Reply with JSON: a name and an age." for i in range(16)]
     with ServerThread(app) as running:
