@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from conftest import assert_no_leaks
 
 from pagedllm import LLM, SamplingParams
@@ -155,3 +156,25 @@ def test_huge_schema_compiles_and_is_cached(llm):
     assert outputs[0].outputs[0].text.startswith("{")
     assert llm.llm_engine.get_stats()["grammar_cache_misses"] == before + 1
     assert_no_leaks(llm)
+
+
+def test_bitmask_kernel_equals_xgrammars():
+    """Our CPU masking kernel forbids exactly what xgrammar's does: random words, zero words, full words,
+    a vocabulary that ends inside a word, unconstrained rows left alone."""
+    import xgrammar as xgr
+
+    from pagedllm.structured.manager import apply_token_bitmask
+
+    vocab = 1000  # 31.25 words
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen)
+    masks = torch.randint(-2**31, 2**31 - 1, (5, 32), dtype=torch.int32, generator=gen)
+    masks[1] = 0
+    masks[1, 3] = 0x0F0F
+    masks[2] = -1
+    expected = logits[[0, 1, 2, 4]].clone()
+    xgr.apply_token_bitmask_inplace(expected, masks[[0, 1, 2, 4]].contiguous(), vocab_size=vocab)
+    got = logits.clone()
+    apply_token_bitmask(got, [masks[0], masks[1], masks[2], None, masks[4]])
+    torch.testing.assert_close(got[[0, 1, 2, 4]], expected, rtol=0, atol=0)
+    torch.testing.assert_close(got[3], logits[3], rtol=0, atol=0)

@@ -25,6 +25,7 @@ _SOURCES = [
         "paged_attention_cpu.cpp",
         "chunked_attention_cpu.cpp",
         "greedy_cpu.cpp",
+        "token_mask_cpu.cpp",
         "quant_linear_cpu.cpp",
         "quant_int8_cpu.cpp",
         "bindings.cpp",

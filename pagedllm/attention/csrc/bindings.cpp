@@ -11,6 +11,7 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
                                       torch::Tensor context_lens, double scale, int64_t sliding_window,
                                       double logits_soft_cap);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits);
+void apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, c10::optional<torch::Tensor> rows);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, int64_t format, int64_t k,
                            c10::optional<torch::Tensor> bias, int64_t small_m);
@@ -26,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_chunked_attention", &paged_chunked_attention,
         "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)");
   m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32)");
+  m.def("apply_token_bitmask", &apply_token_bitmask_cpu, "Forbid the tokens a grammar bitmask leaves out (CPU)");
   m.def("dequantize_rows", &dequantize_rows, "Packed weight rows (all, or the given ones) as float32 (CPU)");
   m.def("quant_linear", &quant_linear, "x @ W^T + bias over a packed weight, activations float32 (CPU)");
   m.def("int8_dot_isa", &int8_dot_isa, "The integer dot product the int8 kernels were built with");
