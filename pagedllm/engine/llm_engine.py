@@ -281,35 +281,28 @@ class LLMEngine:
             try:
                 running = [seq for seq in group.get_seqs(SequenceStatus.RUNNING)
                            if sched.num_scheduled_tokens.get(seq.seq_id, 0)]
-                sampling = [seq for seq in running if num_samples(group, seq, sched.num_scheduled_tokens[seq.seq_id])]
-                bitmasks = self._grammar_bitmasks(group, sampling)
+                rows = {seq.seq_id: num_samples(group, seq, sched.num_scheduled_tokens[seq.seq_id]) for seq in running}
+                bitmasks = self._grammar_bitmasks(group, [seq for seq in running if rows[seq.seq_id]])
                 if not group.get_seqs(SequenceStatus.RUNNING):  # every sequence's grammar ended it
                     early_outputs.append(self._make_output(group))
                     self._forget(group)
                     continue
                 for index, seq in enumerate(seq for seq in running if not seq.is_finished()):
-                    num_tokens = sched.num_scheduled_tokens[seq.seq_id]
-                    rows = num_samples(group, seq, num_tokens)
+                    num_tokens, num_rows = sched.num_scheduled_tokens[seq.seq_id], rows[seq.seq_id]
                     row = (SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, generator,
-                                       bitmasks.get(seq.seq_id)) if rows else None)
-                    token_ids = seq.get_next_token_ids(num_tokens)
-                    # Prompt logprobs: the first sequence's prompt chunks, in order, each with the prompt
-                    # token after it (its last position predicts that one); never again after a recompute.
-                    prompt_len, start = len(seq.prompt_token_ids), seq.num_computed_tokens
-                    have = len(group.prompt_logprobs or [])
-                    in_prompt = (params.prompt_logprobs is not None and start < prompt_len
-                                 and have == (start + 1 if start else 0))
-                    end = start + num_tokens
+                                       bitmasks.get(seq.seq_id)) if num_rows else None)
+                    top_k, next_token = (self._prompt_logprob_chunk(group, seq, num_tokens) if index == 0
+                                         else (None, None))
                     group_seqs.append(
                         SeqStepInput(
                             seq_id=seq.seq_id,
-                            token_ids=token_ids,
+                            token_ids=seq.get_next_token_ids(num_tokens),
                             start_pos=seq.num_computed_tokens,
                             block_table=block_manager.get_block_table(seq),
                             sampling_row=row,
-                            num_samples=max(rows, 1),
-                            prompt_logprobs=params.prompt_logprobs if in_prompt and index == 0 else None,
-                            next_prompt_token=seq.prompt_token_ids[end] if in_prompt and end < prompt_len else None,
+                            num_samples=max(num_rows, 1),
+                            prompt_logprobs=top_k,
+                            next_prompt_token=next_token,
                         )
                     )
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
@@ -326,6 +319,18 @@ class LLMEngine:
             blocks_to_swap_out=sched.blocks_to_swap_out,
             blocks_to_copy=sched.blocks_to_copy,
         )
+
+    @staticmethod
+    def _prompt_logprob_chunk(group: SequenceGroup, seq: Sequence, num_tokens: int) -> tuple[int | None, int | None]:
+        """(top-k, the prompt token after the chunk) when this step's tokens of ``seq`` are the next prompt
+        chunk whose logprobs the request asked for, else (None, None). Chunks come in order, each
+        predicting the next chunk's first token too; never again after a recompute."""
+        top_k = group.sampling_params.prompt_logprobs
+        prompt_len, start = len(seq.prompt_token_ids), seq.num_computed_tokens
+        if top_k is None or start >= prompt_len or len(group.prompt_logprobs or []) != (start + 1 if start else 0):
+            return None, None
+        end = start + num_tokens
+        return top_k, seq.prompt_token_ids[end] if end < prompt_len else None
 
     @staticmethod
     def _add_prompt_logprobs(sched: SchedulerOutputs, computed: dict[int, list] | None) -> None:
