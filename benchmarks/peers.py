@@ -40,9 +40,14 @@ Commands (from the repository root):
     .venv/bin/python benchmarks/peers.py --workload gemma3-1b --peers-dir ~/peers --dtypes bfloat16
 
 dtypes: float32 and bfloat16 for every engine that has them (CTranslate2 has no bfloat16 on CPU;
-``int8`` runs CTranslate2's int8 weights, ``native`` OpenVINO's own default precision: bf16 compute
-with a u8 KV cache where the CPU has bf16); those two are set against pagedllm bfloat16 in the ratio
-column. Token agreement is checked in float32 only. Peer logs: CACHE/logs/WORKLOAD-ENGINE-DTYPE.log.
+``int8`` runs CTranslate2's int8 weights, set against pagedllm bfloat16). ``native`` is each engine's
+own default precision on this CPU: pagedllm and vLLM with ``dtype="auto"``, OpenVINO without
+precision hints (bf16 compute with a u8 KV cache where the CPU has bf16). Token agreement is checked
+in float32 only. Peer logs: CACHE/logs/WORKLOAD-ENGINE-DTYPE.log.
+
+The GEMM roofline of the workload (benchmarks/roofline.py) is measured on the idle machine before any
+engine starts and again after all have stopped; both are printed, and each engine's share of the
+higher one (a figure above it is reported as a roofline error, not as a percentage).
 """
 
 from __future__ import annotations
@@ -70,9 +75,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 RECIPE_VERSION = 2
 PEER_ENGINES = ("vllm", "ctranslate2", "openvino", "llamacpp")
 ENGINE_DTYPES = {
-    "pagedllm": ("float32", "bfloat16"),
+    "pagedllm": ("float32", "bfloat16", "native"),
     "transformers": ("float32", "bfloat16"),
-    "vllm": ("float32", "bfloat16"),
+    "vllm": ("float32", "bfloat16", "native"),
     "ctranslate2": ("float32", "int8"),  # no bfloat16 compute type on CPU (get_supported_compute_types)
     "openvino": ("float32", "bfloat16", "native"),
     "llamacpp": ("float32", "bfloat16"),
@@ -476,7 +481,9 @@ class PagedLLMEngine(Engine):
         from pagedllm import LLM
 
         start = time.perf_counter()
-        self.llm = LLM(model=wl.model_dir, dtype=dtype, kv_cache_memory="2GiB", num_threads=threads)
+        # "native": pagedllm's own default precision for this checkpoint on this CPU.
+        self.llm = LLM(model=wl.model_dir, dtype="auto" if dtype == "native" else dtype, kv_cache_memory="2GiB",
+                       num_threads=threads)
         self.startup_s = time.perf_counter() - start
         self.workloads = {"full": {"prompts": wl.prompts, "max_tokens": wl.max_tokens}, "warmup": wl.warmup(warmup_cap)}
 
@@ -716,11 +723,12 @@ def report(all_engines: list[Engine], wl: Workload) -> list[dict[str, Any]]:
     reference = next((e for e in all_engines if e.name == "transformers" and e.dtype == "float32" and e.token_ids),
                      None) or next((e for e in all_engines if e.dtype == "float32" and e.token_ids), None)
     base = {e.dtype: statistics.median(e.tok_per_s) for e in all_engines if e.name == "pagedllm" and e.tok_per_s}
+    base.setdefault("int8", base.get("bfloat16"))
     rows = []
     for e in all_engines:
         median = statistics.median(e.tok_per_s) if e.tok_per_s else None
-        # int8 / native have no pagedllm twin: they are set against pagedllm's fastest mode, bfloat16.
-        pagedllm = base.get(e.dtype) or base.get("bfloat16") or base.get("float32")
+        # int8 has no pagedllm twin: it is set against pagedllm's fastest mode, bfloat16.
+        pagedllm = base.get(e.dtype) or base.get("float32")
         ratio = median / pagedllm if median and pagedllm else None
         if e.error:
             agreement = e.error.splitlines()[0][:120]
@@ -748,23 +756,34 @@ def report(all_engines: list[Engine], wl: Workload) -> list[dict[str, Any]]:
     return rows
 
 
-def print_rooflines(wl: Workload, rows: list[dict[str, Any]], threads: int) -> dict[str, dict]:
-    """This machine's compute roofline for the workload, per dtype, next to each engine's figure."""
+ROOFLINE_DTYPES = ("float32", "bfloat16")
+
+
+def measure_rooflines(wl: Workload, dtypes: list[str], threads: int) -> dict[str, dict]:
+    """The workload's GEMM roofline per float dtype run (benchmarks/roofline.py), measured now."""
     import torch
-    from roofline import report as roofline_report
+    from roofline import describe, measure_roofline
     from transformers import AutoConfig
 
     torch.set_num_threads(threads)
     config = AutoConfig.from_pretrained(wl.model_dir)
     requests = list(zip(map(len, wl.prompts), wl.max_tokens))
     ceilings = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in (d for d in ROOFLINE_DTYPES if d in dtypes):
+        ceilings[dtype] = measure_roofline(config, requests, getattr(torch, dtype))
+        print(describe(ceilings[dtype]), flush=True)
+    return ceilings
+
+
+def print_rooflines(before: dict[str, dict], after: dict[str, dict], rows: list[dict[str, Any]]) -> None:
+    """Both roofline measurements per dtype, and each engine's share of the higher one."""
+    from roofline import report as roofline_report
+
+    for dtype in before:
         measured = {f"{r['engine']} {r['dtype']}": r["median_tok_per_s"] for r in rows
                     if r["dtype"] == dtype and r["median_tok_per_s"]}
-        if measured:
-            print()
-            ceilings[dtype] = roofline_report(config, requests, getattr(torch, dtype), measured)
-    return ceilings
+        print()
+        roofline_report([before[dtype]] + ([after[dtype]] if dtype in after else []), measured)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -793,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5 * cores:
         print(f"warning: load average {load:.1f} on {cores} cores before starting: other work shares the CPU, and "
               f"{args.threads}-thread OpenMP engines slow down far more than the share they lose; figures are noisy")
+    print("GEMM roofline before any engine starts:")
+    before = measure_rooflines(wl, args.dtypes, args.threads)
     all_engines: list[Engine] = []
     with tempfile.TemporaryDirectory() as tmp:
         workload_file = os.path.join(tmp, "workload.json")
@@ -807,14 +828,16 @@ def main(argv: list[str] | None = None) -> int:
                 for engine in engines:
                     engine.close()
             all_engines += engines
+    print("GEMM roofline after every engine stopped:")
+    after = measure_rooflines(wl, args.dtypes, args.threads)
     rows = report(all_engines, wl)
-    ceilings = print_rooflines(wl, rows, args.threads)
+    print_rooflines(before, after, rows)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workload": {"name": wl.name, "requests": len(wl.prompts),
                        "prompt_tokens": sum(map(len, wl.prompts)), "output_tokens": wl.output_tokens},
-                       "rows": rows, "roofline": ceilings}, f, indent=2)
+                       "rows": rows, "roofline": {"before": before, "after": after}}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

@@ -28,8 +28,9 @@ def load(model: str, dtype: str, threads: int, options: dict, workloads: dict):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, seed=0, max_num_seqs=256,
-              enforce_eager=bool(options.get("enforce_eager", False)))
+    # "native": vLLM's own default precision for this checkpoint on this CPU.
+    llm = LLM(model=model, dtype="auto" if dtype == "native" else dtype, skip_tokenizer_init=True, seed=0,
+              max_num_seqs=256, enforce_eager=bool(options.get("enforce_eager", False)))
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in max_tokens]
