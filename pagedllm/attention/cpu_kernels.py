@@ -10,10 +10,12 @@ Set ``PAGEDLLM_CPU_KERNEL=0`` to force the torch-native path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -54,6 +56,23 @@ def _build_name() -> str:
 
 _module = None
 _failed = False
+# A build takes one to three minutes; a lock older than this was left by a build that was killed,
+# and torch would wait on it forever.
+_STALE_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nobody is building
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("Removing a stale CPU kernel build lock (%.0f min old): %s", age / 60, lock)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 def load_cpu_kernels(verbose: bool = False):
@@ -70,8 +89,10 @@ def load_cpu_kernels(verbose: bool = False):
         try:
             from torch.utils.cpp_extension import load
 
+            name = _build_name()
+            _remove_stale_build_lock(name)
             _module = load(
-                name=_build_name(),
+                name=name,
                 sources=_SOURCES,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
