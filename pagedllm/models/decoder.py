@@ -17,7 +17,7 @@ from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import dense
 from pagedllm.models.families import DecoderSettings, decoder_settings
-from pagedllm.models.layers import get_activation, make_norm
+from pagedllm.models.layers import ActAndMul, get_activation, make_norm
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -25,7 +25,7 @@ from pagedllm.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pagedllm.models.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.rotary import RotaryEmbedding, rotate_heads
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -56,12 +56,12 @@ class DecoderAttention(nn.Module):
         qk_size = self.q_size + self.kv_size
         if self.q_norm is None:
             # Rotate q and k in one go: they are adjacent in the fused output.
-            qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope).view(num_tokens, qk_size)
+            qk = rotate_heads(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope).view(num_tokens, qk_size)
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         else:
             q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, self.head_dim)), *rope)
-            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, self.head_dim)), *rope)
+            q = rotate_heads(self.q_norm(q.reshape(num_tokens, -1, self.head_dim)), *rope)
+            k = rotate_heads(self.k_norm(k.reshape(num_tokens, -1, self.head_dim)), *rope)
         v = qkv[:, qk_size:]
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -74,17 +74,14 @@ class GatedMLP(nn.Module):
         sizes = {"gate": intermediate_size, "up": intermediate_size}
         self.gate_up_proj = MergedColumnParallelLinear(s.hidden_size, sizes, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, s.hidden_size, bias=bias)
-        self.act = get_activation(s.activation)
-        self.intermediate_size = self.gate_up_proj.shard_slices["gate"][1]  # this rank's part
+        self.act_and_mul = ActAndMul(s.activation)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce (experts reduce once, together)."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return dense(self.act(gate) * up, self.down_proj, None)
+        return dense(self.act_and_mul(self.gate_up_proj(x)), self.down_proj, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class PlainMLP(nn.Module):
@@ -158,23 +155,30 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(norm, hidden, eps)
             self.post_feedforward_layernorm = make_norm(norm, hidden, eps)
 
-    def forward(self, ropes: dict[str | None, Rope], hidden: torch.Tensor, kv_cache: KVCache | None,
-                meta: AttentionMetadata | None) -> torch.Tensor:
-        h = self.self_attn(ropes[self.rope_key], self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, ropes: dict[str | None, Rope], hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache | None, meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual) -> the next layer's (hidden, residual), vLLM's form: the residual is
+        carried beside the hidden state and each add is fused into the norm after it; the first
+        layer gets residual None. Parallel-residual layers take and return a plain hidden state
+        (residual None)."""
+        rope = ropes[self.rope_key]
         if self.parallel_residual:
+            h = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
             out = self.mlp(self.post_attention_layernorm(hidden))
             out += h
             out += hidden
-            return out
-        if self.sandwich:
-            h = self.post_attention_layernorm(h)
-        h += hidden
-        if self.sandwich:
-            out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return out, None
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
         else:
-            out = self.mlp(self.post_attention_layernorm(h))
-        out += h
-        return out
+            hidden, residual = self.input_layernorm(hidden, residual)
+        h = self.self_attn(rope, hidden, kv_cache, meta)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 def token_seq_lens(positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
@@ -209,9 +213,13 @@ class DecoderModel(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
         seq_lens = token_seq_lens(positions, attn_metadata) if self.rope_needs_lengths else None
         ropes = {key: rotary.cos_sin(positions, hidden.dtype, seq_lens) for key, rotary in self.rotary.items()}
+        residual = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(ropes, hidden, kv_caches[i] if kv_caches is not None else None, attn_metadata)
-        return self.norm(hidden)
+            kv_cache = kv_caches[i] if kv_caches is not None else None
+            hidden, residual = layer(ropes, hidden, residual, kv_cache, attn_metadata)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 def _qkv_per_head_to_stacked(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models import fused_ops
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight, assign_to
 
 
@@ -28,14 +29,49 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return acts[name]
 
 
+class ActAndMul(nn.Module):
+    """[T, 2I] (gate, then up) -> act(gate) * up, [T, I]: the gated MLP's middle, one fused kernel on
+    CPUs (vLLM's SiluAndMul and its GELU kin)."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fused_ops.act_and_mul(x, self.activation)
+        if out is not None:
+            return out
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return self.act(gate) * up
+
+
 class RMSNorm(nn.Module):
+    """``norm(x)``: x normalised. ``norm(x, residual)``: (normalised x + residual, x + residual), the
+    residual add fused into the norm as vLLM's layers carry it (on CPUs one kernel, x and residual
+    overwritten)."""
+
+    gemma = False  # Gemma's variant scales by 1 + weight
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.normalized_shape = (hidden_size,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            out = fused_ops.rms_norm(x, self.weight, self.eps, self.gemma)
+            return self.reference(x) if out is None else out
+        if fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma):
+            return x, residual
+        residual = x + residual
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch code (what transformers computes): GPUs, other dtypes, autograd."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         # Half precision: normalise in float32 as HF does, then scale in the model dtype.
@@ -47,9 +83,23 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by ``1 + weight`` (weights stored as offsets from one), in float32."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    gemma = True
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), self.normalized_shape, self.weight.float() + 1.0, self.eps)
         return out.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm called as RMSNorm is: ``norm(x, residual)`` adds the residual first (unfused)."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return super().forward(x)
+        residual = x + residual
+        return super().forward(residual), residual
 
 
 def make_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
@@ -59,7 +109,7 @@ def make_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
     if kind == "gemma_rms":
         return GemmaRMSNorm(hidden_size, eps)
     if kind == "layer":
-        return nn.LayerNorm(hidden_size, eps=eps)
+        return LayerNorm(hidden_size, eps=eps)
     raise ValueError(f"unknown norm kind {kind!r}")
 
 

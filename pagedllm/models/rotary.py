@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.models import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # Older config spellings of the same variants.
 _ROPE_TYPE_ALIASES = {"su": "longrope", "mistral_yarn": "yarn"}
@@ -199,3 +201,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary``, done in place on CPUs (one kernel over every head; x is then returned).
+    The caller must not read x's old values afterwards."""
+    if fused_ops.rotary_embedding_(x, cos, sin):
+        return x
+    return apply_rotary(x, cos, sin)

@@ -21,6 +21,12 @@ torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k)
 torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, torch::Tensor rows);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
                           c10::optional<torch::Tensor> bias);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool gemma);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool gemma);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
+torch::Tensor gelu_and_mul(torch::Tensor x);
+void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -35,4 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_tile_weight", &int8_tile_weight, "A packed weight re-tiled for int8 dot products (CPU)");
   m.def("int8_tiled_rows", &int8_tiled_rows, "Rows of an int8-tiled weight as float32 (CPU)");
   m.def("int8_linear", &int8_linear, "int8(x) @ W^T + bias over an int8-tiled weight (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row into a new tensor (gemma: scale by 1 + weight) (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "In place: residual += x, then x = RMSNorm(residual) (gemma: scale by 1 + weight) (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "[T, 2I] -> silu(gate) * up, [T, I] (CPU)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "[T, 2I] -> gelu_tanh(gate) * up, [T, I] (CPU)");
+  m.def("gelu_and_mul", &gelu_and_mul, "[T, 2I] -> gelu(gate) * up, [T, I] (CPU)");
+  m.def("rotary_embedding_inplace", &rotary_embedding_inplace,
+        "Rotate-half rotary embedding of x [T, H, D] in place by cos, sin [T, rotary_dim / 2] (CPU)");
 }
