@@ -60,7 +60,7 @@ def masking_seconds(manager, num_rows: int, vocab_size: int, repeats: int = 50) 
     """Seconds to mask one batch of logits with real bitmasks (the sampler's share of the cost)."""
     import torch
 
-    from pagedllm.structured.manager import apply_token_bitmask
+    from pagedllm.structured.bitmask import apply_token_bitmask
 
     matchers = [manager.new_matcher(StructuredOutputsParams(json=SCHEMA)) for _ in range(num_rows)]
     bitmask, _ = manager.fill_bitmasks(matchers, step=-1)

@@ -65,20 +65,3 @@ class StructuredOutputManager:
             "grammar_cache_misses": compiler.cache_misses if compiler is not None else 0,
         }
 
-
-def apply_token_bitmask(logits: torch.Tensor, bitmasks: list[torch.Tensor | None]) -> None:
-    """Set to -inf, in place, the logits of the tokens each row's bitmask forbids (None: no constraint)."""
-    import xgrammar as xgr
-
-    from pagedllm.attention.cpu_kernels import load_cpu_kernels
-
-    indices = [i for i, mask in enumerate(bitmasks) if mask is not None]
-    stacked = torch.full((logits.shape[0], bitmasks[indices[0]].shape[-1]), -1, dtype=torch.int32)
-    for i in indices:
-        stacked[i] = bitmasks[i]
-    kernels = load_cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        # Ours skips whole words (most of a grammar's mask is zero words): several times xgrammar's CPU path.
-        kernels.apply_token_bitmask(logits, stacked, indices)
-        return
-    xgr.apply_token_bitmask_inplace(logits, stacked.to(logits.device), vocab_size=logits.shape[1], indices=indices)
