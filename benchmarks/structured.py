@@ -63,7 +63,7 @@ def masking_seconds(manager, num_rows: int, vocab_size: int, repeats: int = 50) 
     from pagedllm.structured.bitmask import apply_token_bitmask
 
     matchers = [manager.new_matcher(StructuredOutputsParams(json=SCHEMA)) for _ in range(num_rows)]
-    bitmask, _ = manager.fill_bitmasks(matchers, step=-1)
+    bitmask, _, _ = manager.fill_bitmasks(matchers)
     rows = [bitmask[i] for i in range(num_rows)]
     logits = torch.randn(num_rows, vocab_size)
     start = time.perf_counter()

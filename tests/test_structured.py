@@ -128,10 +128,10 @@ def test_a_grammar_with_no_first_token_aborts(llm, monkeypatch):
     manager = llm.llm_engine.structured_outputs
     real_fill = manager.fill_bitmasks
 
-    def nothing_allowed(matchers, step):
-        bitmask, alive = real_fill(matchers, step)
+    def nothing_allowed(matchers):
+        bitmask, alive, failed = real_fill(matchers)
         bitmask.zero_()
-        return bitmask, [False] * len(alive)
+        return bitmask, [False] * len(alive), failed
 
     monkeypatch.setattr(manager, "fill_bitmasks", nothing_allowed)
     params = SamplingParams(n=2, max_tokens=10, temperature=1.0, structured_outputs=StructuredOutputsParams(
