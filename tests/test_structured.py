@@ -213,3 +213,32 @@ def test_masked_greedy_kernel_equals_masking_then_argmax():
     nothing = torch.zeros(32, dtype=torch.int32)
     ids, logprobs = greedy_pick_masked(logits[:1].clone(), [nothing])
     assert ids.tolist() == [-1] and logprobs.tolist() == [float("-inf")]
+
+
+def test_a_raising_matcher_fails_only_its_request(llm, monkeypatch):
+    """Bitmasks are filled for the whole batch at once; a matcher that raises there fails its own request."""
+    manager = llm.llm_engine.structured_outputs
+    real_new_matcher = manager.new_matcher
+
+    class Broken:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def fill_next_token_bitmask(self, bitmask, index):
+            raise RuntimeError("broken matcher")
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    def new_matcher(spec):
+        matcher = real_new_matcher(spec)
+        return Broken(matcher) if spec.regex == "b+" else matcher
+
+    monkeypatch.setattr(manager, "new_matcher", new_matcher)
+    params = [SamplingParams(max_tokens=6, temperature=0, structured_outputs=StructuredOutputsParams(regex=regex))
+              for regex in ("a+", "b+", "[0-9]+")]
+    ok_a, broken, ok_digits = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert broken.failed and "preparing its step" in broken.error
+    assert ok_a.error is None and re.fullmatch("a+", ok_a.outputs[0].text)
+    assert ok_digits.error is None and re.fullmatch("[0-9]+", ok_digits.outputs[0].text)
+    assert_no_leaks(llm)
