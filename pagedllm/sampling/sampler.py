@@ -4,6 +4,7 @@ Order of operations (per row, vectorised over the batch):
 
 0. structured outputs: tokens the row's grammar forbids get -inf (so every logprob reported,
    and every beam candidate, is inside the grammar, as with vLLM's bitmask before the sampler);
+   plain greedy rows get the same result without masking, from a pass over the allowed tokens;
 1. raw logprobs = log_softmax(raw logits); reported logprobs and cumulative logprobs use these
    (vLLM V1's default "raw" logprobs mode);
 2. min_tokens: while fewer than ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``)
