@@ -96,7 +96,9 @@ std::pair<int64_t, float> greedy_pick_row(const float* row, const uint32_t* mask
         }
       });
   if (arg < 0) return {-1, kNegInf};
-  float sum = 0.f;
+  // A double total: mixed words add their terms one at a time, thousands of them in a row whose
+  // grammar allows much of the vocabulary, which a float total would round off.
+  double sum = 0.0;
   for_each_allowed(
       mask, vocab,
       [&](int64_t first, int64_t count) {
@@ -109,7 +111,7 @@ std::pair<int64_t, float> greedy_pick_row(const float* row, const uint32_t* mask
       [&](int64_t first, uint32_t word) {
         for (; word != 0; word &= word - 1) sum += std::exp(row[first + __builtin_ctz(word)] - best);
       });
-  return {arg, -std::log(sum)};
+  return {arg, static_cast<float>(-std::log(sum))};
 }
 
 }  // namespace
