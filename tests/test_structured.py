@@ -128,10 +128,10 @@ def test_a_grammar_with_no_first_token_aborts(llm, monkeypatch):
     manager = llm.llm_engine.structured_outputs
     real_fill = manager.fill_bitmasks
 
-    def nothing_allowed(matchers, step):
-        bitmask, alive = real_fill(matchers, step)
+    def nothing_allowed(matchers):
+        bitmask, alive, failed = real_fill(matchers)
         bitmask.zero_()
-        return bitmask, [False] * len(alive)
+        return bitmask, [False] * len(alive), failed
 
     monkeypatch.setattr(manager, "fill_bitmasks", nothing_allowed)
     params = SamplingParams(n=2, max_tokens=10, temperature=1.0, structured_outputs=StructuredOutputsParams(
@@ -163,7 +163,7 @@ def test_bitmask_kernel_equals_xgrammars():
     a vocabulary that ends inside a word, unconstrained rows left alone."""
     import xgrammar as xgr
 
-    from pagedllm.structured.manager import apply_token_bitmask
+    from pagedllm.structured.bitmask import apply_token_bitmask
 
     vocab = 1000  # 31.25 words
     gen = torch.Generator().manual_seed(0)
@@ -178,3 +178,67 @@ def test_bitmask_kernel_equals_xgrammars():
     apply_token_bitmask(got, [masks[0], masks[1], masks[2], None, masks[4]])
     torch.testing.assert_close(got[[0, 1, 2, 4]], expected, rtol=0, atol=0)
     torch.testing.assert_close(got[3], logits[3], rtol=0, atol=0)
+
+
+def test_masked_greedy_kernel_equals_masking_then_argmax():
+    """Greedy choice under bitmasks without masking: the argmax (first of ties) and log_softmax of the masked
+    logits, on random words, runs of full words, zero words, a tie whose first maximum is forbidden, a
+    vocabulary ending inside a word, an unconstrained row; a row allowing nothing gets token -1."""
+    from pagedllm.attention.cpu_kernels import load_cpu_kernels
+    from pagedllm.structured.bitmask import apply_token_bitmask, greedy_pick_masked
+
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    vocab = 1000  # 31.25 words
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, vocab, generator=gen) * 4
+    masks = torch.randint(-2**31, 2**31 - 1, (7, 32), dtype=torch.int32, generator=gen)
+    masks[1] = 0
+    masks[1, 3] = 0x0F0F
+    masks[2, 4:20] = -1  # a run of whole allowed words
+    logits[4, [5, 40, 70]] = 50.0  # tied maxima: token 5 is forbidden, 40 and 70 allowed
+    masks[4] = 0
+    masks[4, 1] = 1 << 8
+    masks[4, 2] = 1 << 6
+    masks[5] = 0
+    masks[5, 31] = 1 << 7  # only token 999, in the last, partial word
+    rows = [masks[0], masks[1], masks[2], None, masks[4], masks[5], masks[6]]
+    ids, logprobs = greedy_pick_masked(logits, rows)
+    masked = logits.clone()
+    apply_token_bitmask(masked, rows)
+    assert torch.equal(ids, masked.argmax(dim=-1))
+    assert ids[4] == 40 and ids[5] == 999
+    expected = torch.log_softmax(masked, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+    nothing = torch.zeros(32, dtype=torch.int32)
+    ids, logprobs = greedy_pick_masked(logits[:1].clone(), [nothing])
+    assert ids.tolist() == [-1] and logprobs.tolist() == [float("-inf")]
+
+
+def test_a_raising_matcher_fails_only_its_request(llm, monkeypatch):
+    """Bitmasks are filled for the whole batch at once; a matcher that raises there fails its own request."""
+    manager = llm.llm_engine.structured_outputs
+    real_new_matcher = manager.new_matcher
+
+    class Broken:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def fill_next_token_bitmask(self, bitmask, index):
+            raise RuntimeError("broken matcher")
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    def new_matcher(spec):
+        matcher = real_new_matcher(spec)
+        return Broken(matcher) if spec.regex == "b+" else matcher
+
+    monkeypatch.setattr(manager, "new_matcher", new_matcher)
+    params = [SamplingParams(max_tokens=6, temperature=0, structured_outputs=StructuredOutputsParams(regex=regex))
+              for regex in ("a+", "b+", "[0-9]+")]
+    ok_a, broken, ok_digits = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert broken.failed and "preparing its step" in broken.error
+    assert ok_a.error is None and re.fullmatch("a+", ok_a.outputs[0].text)
+    assert ok_digits.error is None and re.fullmatch("[0-9]+", ok_digits.outputs[0].text)
+    assert_no_leaks(llm)

@@ -274,15 +274,17 @@ class LLMEngine:
         seqs: list[SeqStepInput] = []
         block_manager = self.scheduler.block_manager
         scheduled: list[SequenceGroup] = []
-        for group in sched.scheduled_seq_groups:
+        planned = self._plan_sampling(sched, early_outputs)
+        bitmasks, grammar_errors = self._grammar_bitmasks(
+            [seq for _, running, rows in planned for seq in running if rows[seq.seq_id]])
+        for group, running, rows in planned:
             params = group.sampling_params
             generator = self._generators.get(group.request_id)
             group_seqs: list[SeqStepInput] = []
             try:
-                running = [seq for seq in group.get_seqs(SequenceStatus.RUNNING)
-                           if sched.num_scheduled_tokens.get(seq.seq_id, 0)]
-                rows = {seq.seq_id: num_samples(group, seq, sched.num_scheduled_tokens[seq.seq_id]) for seq in running}
-                bitmasks = self._grammar_bitmasks(group, [seq for seq in running if rows[seq.seq_id]])
+                for seq in running:
+                    if seq.seq_id in grammar_errors:
+                        raise grammar_errors[seq.seq_id]
                 if not group.get_seqs(SequenceStatus.RUNNING):  # every sequence's grammar ended it
                     early_outputs.append(self._make_output(group))
                     self._forget(group)
@@ -320,6 +322,23 @@ class LLMEngine:
             blocks_to_copy=sched.blocks_to_copy,
         )
 
+    def _plan_sampling(
+        self, sched: SchedulerOutputs, early_outputs: list[RequestOutput]
+    ) -> list[tuple[SequenceGroup, list[Sequence], dict[int, int]]]:
+        """Per scheduled group: its sequences that compute tokens this step, and how many sampler rows
+        each gets (0 for a chunk mid-prompt)."""
+        planned = []
+        for group in sched.scheduled_seq_groups:
+            try:
+                running = [seq for seq in group.get_seqs(SequenceStatus.RUNNING)
+                           if sched.num_scheduled_tokens.get(seq.seq_id, 0)]
+                rows = {seq.seq_id: num_samples(group, seq, sched.num_scheduled_tokens[seq.seq_id]) for seq in running}
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                early_outputs.append(self._fail_group(group, "preparing its step", exc))
+                continue
+            planned.append((group, running, rows))
+        return planned
+
     @staticmethod
     def _prompt_logprob_chunk(group: SequenceGroup, seq: Sequence, num_tokens: int) -> tuple[int | None, int | None]:
         """(top-k, the prompt token after the chunk) when this step's tokens of ``seq`` are the next prompt
@@ -343,23 +362,27 @@ class LLMEngine:
                     # The first token has no logprob: nothing predicts it.
                     group.prompt_logprobs = (group.prompt_logprobs or [None]) + computed[seq.seq_id]
 
-    def _grammar_bitmasks(self, group: SequenceGroup, running: list[Sequence]) -> dict[int, object]:
-        """Each constrained sequence's bitmask for this step, by seq id. A sequence whose grammar allows
-        no token at all (a constraint nothing can satisfy) is finished here and taken out of ``running``."""
-        constrained = [seq for seq in running if seq.grammar is not None]
+    def _grammar_bitmasks(self, sampling: list[Sequence]) -> tuple[dict[int, object], dict[int, BaseException]]:
+        """This step's bitmask of each constrained sequence that samples, by seq id, filled for the whole
+        batch at once (per-request fills cost a tensor allocation and a reduction each); and the
+        sequences whose matcher raised. A sequence whose grammar allows no token at all (a constraint
+        nothing can satisfy) is finished here."""
+        constrained = [seq for seq in sampling if seq.grammar is not None]
         if not constrained:
-            return {}
-        bitmask, alive = self.structured_outputs.fill_bitmasks([seq.grammar for seq in constrained], self.num_steps)
+            return {}, {}
+        bitmask, alive, failed = self.structured_outputs.fill_bitmasks([seq.grammar for seq in constrained])
         masks: dict[int, object] = {}
-        for index, (seq, has_token) in enumerate(zip(constrained, alive)):
-            if has_token:
-                masks[seq.seq_id] = bitmask[index]
-                continue
-            seq.status = SequenceStatus.FINISHED_ABORTED
-            seq.stop_reason = "structured output: no token can continue the grammar"
-            self.scheduler.free_seq(seq)
-            running.remove(seq)
-        return masks
+        errors: dict[int, BaseException] = {}
+        for index, (seq, row, has_token) in enumerate(zip(constrained, bitmask.unbind(0), alive)):
+            if index in failed:
+                errors[seq.seq_id] = failed[index]
+            elif has_token:
+                masks[seq.seq_id] = row
+            else:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                seq.stop_reason = "structured output: no token can continue the grammar"
+                self.scheduler.free_seq(seq)
+        return masks, errors
 
     def _fail_group(self, group: SequenceGroup, stage: str | None, exc: BaseException) -> RequestOutput:
         """Finish a request whose own processing raised: free every block it holds, report an error.

@@ -4,6 +4,7 @@ Order of operations (per row, vectorised over the batch):
 
 0. structured outputs: tokens the row's grammar forbids get -inf (so every logprob reported,
    and every beam candidate, is inside the grammar, as with vLLM's bitmask before the sampler);
+   plain greedy rows get the same result without masking, from a pass over the allowed tokens;
 1. raw logprobs = log_softmax(raw logits); reported logprobs and cumulative logprobs use these
    (vLLM V1's default "raw" logprobs mode);
 2. min_tokens: while fewer than ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``)
@@ -37,7 +38,7 @@ from pagedllm.sampling.penalties import (
     token_counts,
 )
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured.manager import apply_token_bitmask
+from pagedllm.structured.bitmask import apply_token_bitmask, greedy_pick_masked
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +147,8 @@ class Sampler:
     ) -> SamplerOutput:
         # Some models pad the vocabulary; padded columns are never sampled.
         logits = logits[:, : self.vocab_size].float()
-        if any(row.token_bitmask is not None for row in rows):
-            # In place: masking twice (a retry row by row) gives the same logits.
-            apply_token_bitmask(logits, [row.token_bitmask for row in rows])
+        bitmasks = [row.token_bitmask for row in rows]
+        constrained = any(mask is not None for mask in bitmasks)
 
         banned = self._min_tokens_banned(rows)
         needs_repetition = any(row.params.repetition_penalty != 1.0 for row in rows)
@@ -161,12 +161,17 @@ class Sampler:
         plain_greedy = (all_greedy and banned is None and not needs_repetition and not needs_presence_frequency
                         and not needs_bias)
         # Plain greedy needs only each row's argmax and its logprob: one fused pass where our CPU
-        # kernel is built, not a [N, V] log_softmax.
-        picked = greedy_pick(logits) if plain_greedy and not return_full_logprobs and not wants_top else None
+        # kernel is built, not a [N, V] log_softmax; under grammars, a pass over the allowed tokens only.
+        picked = None
+        if plain_greedy and not return_full_logprobs and not wants_top:
+            picked = greedy_pick_masked(logits, bitmasks) if constrained else greedy_pick(logits)
         raw_logprobs = None
         if picked is not None:
             token_ids, chosen_logprobs = picked
         else:
+            if constrained:
+                # In place: masking twice (a retry row by row) gives the same logits.
+                apply_token_bitmask(logits, bitmasks)
             raw_logprobs = torch.log_softmax(logits, dim=-1)
             if plain_greedy:
                 token_ids = logits.argmax(dim=-1)  # argmax of logits == argmax of logprobs

@@ -22,7 +22,6 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0
         self.num_fill_steps = 0
         self.num_fill_rows = 0
-        self._last_step: int | None = None
         self._lock = threading.Lock()
 
     @property
@@ -38,22 +37,25 @@ class StructuredOutputManager:
         """A matcher at the grammar's start; raises InvalidRequestError when the constraint cannot compile."""
         return self.compiler.matcher(spec)
 
-    def fill_bitmasks(self, matchers: list[Any], step: int) -> tuple[torch.Tensor, list[bool]]:
-        """``[len(matchers), ceil(V / 32)]`` int32 bitmasks of the tokens each matcher allows next,
-        and per row whether any token is allowed at all."""
+    def fill_bitmasks(self, matchers: list[Any]) -> tuple[torch.Tensor, list[bool], dict[int, BaseException]]:
+        """One step's ``[len(matchers), ceil(V / 32)]`` int32 bitmasks of the tokens each matcher allows
+        next, filled for the whole batch at once; per row whether any token is allowed at all; and the
+        rows whose matcher raised (one request's broken matcher must not fail the others)."""
         import xgrammar as xgr
 
         start = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        failed: dict[int, BaseException] = {}
         for index, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, index)
+            try:
+                matcher.fill_next_token_bitmask(bitmask, index)
+            except Exception as exc:  # noqa: BLE001 - the engine fails that row's request alone
+                failed[index] = exc
         alive = bitmask.ne(0).any(dim=1).tolist()
         self.fill_seconds += time.perf_counter() - start
         self.num_fill_rows += len(matchers)
-        if step != self._last_step:
-            self.num_fill_steps += 1
-            self._last_step = step
-        return bitmask, alive
+        self.num_fill_steps += 1
+        return bitmask, alive, failed
 
     def stats(self) -> dict[str, float | int]:
         compiler = self._compiler
@@ -65,20 +67,3 @@ class StructuredOutputManager:
             "grammar_cache_misses": compiler.cache_misses if compiler is not None else 0,
         }
 
-
-def apply_token_bitmask(logits: torch.Tensor, bitmasks: list[torch.Tensor | None]) -> None:
-    """Set to -inf, in place, the logits of the tokens each row's bitmask forbids (None: no constraint)."""
-    import xgrammar as xgr
-
-    from pagedllm.attention.cpu_kernels import load_cpu_kernels
-
-    indices = [i for i, mask in enumerate(bitmasks) if mask is not None]
-    stacked = torch.full((logits.shape[0], bitmasks[indices[0]].shape[-1]), -1, dtype=torch.int32)
-    for i in indices:
-        stacked[i] = bitmasks[i]
-    kernels = load_cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        # Ours skips whole words (most of a grammar's mask is zero words): several times xgrammar's CPU path.
-        kernels.apply_token_bitmask(logits, stacked, indices)
-        return
-    xgr.apply_token_bitmask_inplace(logits, stacked.to(logits.device), vocab_size=logits.shape[1], indices=indices)
