@@ -42,9 +42,6 @@ def _build_name() -> str:
     """The extension's name carries a digest of its sources and of this CPU's feature flags: two
     checkouts (or a CPU with other instructions, built with -march=native) never share a build."""
     digest = hashlib.sha256()
-    # The sources' folder too: torch rebuilds an extension whose sources moved, so two checkouts
-    # sharing one name would rebuild it in turn for each other.
-    digest.update(os.path.dirname(_SOURCES[0]).encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
