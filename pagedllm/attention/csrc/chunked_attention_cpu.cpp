@@ -5,18 +5,18 @@
 // a chunk's tokens and its earlier context are read alike, with no gathered copy.
 //
 // A work item is a tile of up to TILE consecutive query tokens of one sequence. For each KV head,
-// the tile walks its context block by block with an online softmax (flash attention's running
-// max and sum), so nothing grows with the context. Each block's keys for that head are first
-// transposed into a small buffer (head_dim x keys), which makes the scores of one query a sum of
-// head_dim vector FMAs across the block's keys, with no horizontal sums; the transposed block then
-// serves every query token of the tile and every query head sharing the KV head (grouped-query
-// attention). Values are read in place, row by row. Softmax and accumulation are in float32
-// whatever the cache's type.
+// the tile walks its context KC keys at a time with an online softmax (flash attention's running
+// max and sum), so nothing grows with the context. The chunk's keys for that head are gathered
+// through the block table and transposed into a small buffer (head_dim x KC), so that the scores
+// of LG (query row, query head) lanes against the chunk are LG x KC independent vector FMA chains
+// over head_dim (a register tile, no horizontal sums): the chunk serves every query token of the
+// tile and every query head sharing the KV head (grouped-query attention). Values are read in
+// place, row by row. Softmax and accumulation are in float32 whatever the cache's type.
 //
 // A sliding window W lets the query at position p see keys p - W + 1 .. p only: the tile's walk
-// starts at the block holding its first row's first key, so blocks before it are never touched
-// (the block manager may have released them). A soft cap c (Gemma 2) replaces each score s by
-// c * tanh(s / c) before the softmax.
+// starts at its first row's first key, so keys before it (blocks the block manager may have
+// released) are never touched. A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c)
+// before the softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,7 +27,11 @@
 
 namespace {
 
-constexpr int64_t TILE = 8;
+constexpr int64_t TILE = 8;  // query rows per work item
+constexpr int64_t KC = 32;   // keys per chunk: two 512-bit vectors of scores per lane
+constexpr int64_t LG = 8;    // lanes scored together: 8 x 2 accumulators in registers
+// Masked scores: finite, since -ffast-math lets the compiler assume there are no infinities.
+constexpr float kMasked = -1e30f;
 
 struct WorkItem {
   int64_t seq;        // index into block_tables / context_lens
@@ -52,17 +56,19 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
   // With a soft cap, queries are scaled by scale / cap so that tanh takes the dot product as is.
   const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    const int64_t lanes = TILE * group;  // (query row, query head of the group) pairs
-    std::vector<float> qf(lanes * head_dim), acc(lanes * head_dim);
-    std::vector<float> running_max(lanes), running_sum(lanes);
-    std::vector<float> kt(head_dim * block_size), scores(block_size);
+    const int64_t max_lanes = (TILE * group + LG - 1) / LG * LG;  // (query row, query head) pairs, padded
+    std::vector<float> qf(max_lanes * head_dim), acc(max_lanes * head_dim);
+    std::vector<float> running_max(max_lanes), running_sum(max_lanes);
+    std::vector<float> kt(head_dim * KC);
+    const scalar_t* vrows[KC];
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& item = items[w];
       const int64_t rows = item.num_rows;
+      const int64_t lanes = rows * group;
+      const int64_t padded = (lanes + LG - 1) / LG * LG;
       const int64_t length = item.first_pos + rows;  // keys seen by the tile's last row
-      // The first key any row of the tile sees (its first row's window start), block-aligned.
+      // The first key any row of the tile sees: its first row's window start.
       const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, item.first_pos - sliding_window + 1) : 0;
-      const int64_t first_block_start = first_key / block_size * block_size;
       const int64_t* table = block_tables + item.seq * max_blocks;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
@@ -72,56 +78,67 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(qh[d]) * q_scale;
           }
         }
-        std::fill(acc.begin(), acc.begin() + rows * group * head_dim, 0.f);
-        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(qf.begin() + lanes * head_dim, qf.begin() + padded * head_dim, 0.f);
+        std::fill(acc.begin(), acc.begin() + padded * head_dim, 0.f);
+        std::fill(running_max.begin(), running_max.end(), kMasked);
         std::fill(running_sum.begin(), running_sum.end(), 0.f);
-        for (int64_t start = first_block_start; start < length; start += block_size) {
-          const int64_t n = std::min(block_size, length - start);
-          const int64_t base = table[start / block_size] * block_size * row_stride + g * head_dim;
-          const scalar_t* kblock = k_cache + base;
-          const scalar_t* vblock = v_cache + base;
+        for (int64_t start = first_key; start < length; start += KC) {
+          const int64_t n = std::min(KC, length - start);
           for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* krow = kblock + j * row_stride;
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + j] = static_cast<float>(krow[d]);
+            const int64_t pos = start + j;
+            const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * row_stride + g * head_dim;
+            const scalar_t* krow = k_cache + offset;
+            vrows[j] = v_cache + offset;
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = static_cast<float>(krow[d]);
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            // Row r sees keys [lo, hi) of this block: up to its own position, from its window's start.
-            const int64_t pos = item.first_pos + r;
-            const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1 - start) : 0;
-            const int64_t hi = std::min(n, pos + 1 - start);
-            const int64_t visible = hi - lo;
-            if (visible <= 0) continue;
-            for (int64_t i = 0; i < group; ++i) {
-              const int64_t lane = r * group + i;
-              const float* qh = qf.data() + lane * head_dim;
-              float* s = scores.data();
-              std::fill(s, s + visible, 0.f);
-              for (int64_t d = 0; d < head_dim; ++d) {
-                const float qd = qh[d];
-                const float* kd = kt.data() + d * block_size + lo;
+          for (int64_t j = n; j < KC; ++j) {
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = 0.f;
+          }
+          for (int64_t lane0 = 0; lane0 < lanes; lane0 += LG) {
+            float s[LG][KC] = {};
+            const float* __restrict__ qg = qf.data() + lane0 * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float* __restrict__ kd = kt.data() + d * KC;
+              for (int64_t l = 0; l < LG; ++l) {
+                const float qv = qg[l * head_dim + d];
 #pragma omp simd
-                for (int64_t j = 0; j < visible; ++j) s[j] += qd * kd[j];
+                for (int64_t j = 0; j < KC; ++j) s[l][j] += qv * kd[j];
               }
+            }
+            for (int64_t l = 0; l < LG && lane0 + l < lanes; ++l) {
+              const int64_t lane = lane0 + l;
+              // This lane's row sees keys [lo, hi) of the chunk: up to its own position, from its window's start.
+              const int64_t pos = item.first_pos + lane / group;
+              const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1 - start) : 0;
+              const int64_t hi = std::min(n, pos + 1 - start);
+              if (hi <= lo) continue;
+              float* __restrict__ sl = s[l];
               if (soft_cap > 0.f) {
-                for (int64_t j = 0; j < visible; ++j) s[j] = soft_cap * std::tanh(s[j]);
+#pragma omp simd
+                for (int64_t j = 0; j < KC; ++j) sl[j] = soft_cap * std::tanh(sl[j]);
               }
-              const float block_max = *std::max_element(s, s + visible);
-              const float new_max = std::max(running_max[lane], block_max);
+              float chunk_max = kMasked;
+#pragma omp simd reduction(max : chunk_max)
+              for (int64_t j = 0; j < KC; ++j) {
+                sl[j] = (j >= lo && j < hi) ? sl[j] : kMasked;
+                chunk_max = std::max(chunk_max, sl[j]);
+              }
+              const float new_max = std::max(running_max[lane], chunk_max);
               const float correction = std::exp(running_max[lane] - new_max);
               float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-              for (int64_t j = 0; j < visible; ++j) {
-                s[j] = std::exp(s[j] - new_max);
-                sum += s[j];
+              for (int64_t j = 0; j < KC; ++j) {
+                sl[j] = std::exp(sl[j] - new_max);  // masked keys: exp(-1e30) = 0
+                sum += sl[j];
               }
               running_sum[lane] = running_sum[lane] * correction + sum;
               running_max[lane] = new_max;
-              float* a = acc.data() + lane * head_dim;
+              float* __restrict__ a = acc.data() + lane * head_dim;
 #pragma omp simd
               for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-              for (int64_t j = 0; j < visible; ++j) {
-                const float p = s[j];
-                const scalar_t* vrow = vblock + (lo + j) * row_stride;
+              for (int64_t j = lo; j < hi; ++j) {
+                const float p = sl[j];
+                const scalar_t* __restrict__ vrow = vrows[j];
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
               }
