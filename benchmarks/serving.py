@@ -388,6 +388,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--launch-timeout", type=float, default=600.0)
     parser.add_argument("--compare-chunking", action="store_true",
                         help="with --launch: run on a server with chunked prefill and on one without, side by side")
+    parser.add_argument("--chunked-budget", type=int, default=None, metavar="TOKENS",
+                        help="--compare-chunking: the chunked server's step budget (default: the engine's)")
     parser.add_argument("--scenario", choices=["trace", "interference"], default="trace")
     parser.add_argument("--streams", type=int, default=8, help="interference: decoding streams")
     parser.add_argument("--stream-prompt-len", type=int, default=32)
@@ -420,9 +422,11 @@ def compare_chunking(args: argparse.Namespace, engine_flags: list[str]) -> dict:
     """The same benchmark against a chunked-prefill server and an unchunked one, one after the other."""
     results = {}
     for mode in ("chunked", "unchunked"):
-        flag = "--enable-chunked-prefill" if mode == "chunked" else "--no-enable-chunked-prefill"
+        flags = ["--enable-chunked-prefill"] if mode == "chunked" else ["--no-enable-chunked-prefill"]
+        if mode == "chunked" and args.chunked_budget is not None:
+            flags += ["--max-num-batched-tokens", str(args.chunked_budget)]
         print(f"{f' {mode} ':#^60}", flush=True)
-        results[mode], _ = run_launched(args, [*engine_flags, flag])
+        results[mode], _ = run_launched(args, [*engine_flags, *flags])
     print(f"{' chunked vs unchunked ':=^86}")
     print(f"{'rate':>8}{'TTFT p50 ms':>26}{'ITL p99 ms':>26}{'output tok/s':>26}")
     rows = []
