@@ -294,16 +294,22 @@ def launch_server(engine_flags: list[str], api_key: str | None, timeout: float) 
     print("launching:", " ".join(command), flush=True)
     process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
+    wait_until_ready(process, url + "/health", timeout, "the server")
+    return process, url
+
+
+def wait_until_ready(process: subprocess.Popen, ready_url: str, timeout: float, what: str) -> None:
+    """Poll ``ready_url`` until it answers 200; stop the server and raise if it exits or times out first."""
     deadline = time.time() + timeout
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode} before it was healthy")
+            raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return
         if time.time() > deadline:
             stop_server(process)
-            raise RuntimeError(f"the server was not healthy within {timeout:.0f}s")
+            raise RuntimeError(f"{what} was not ready within {timeout:.0f}s")
         time.sleep(0.25)
 
 

@@ -18,20 +18,16 @@ every request generates exactly its output length on both servers. Prefix cachin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peers import ensure_model  # noqa: E402
-from serving import free_port, stop_server  # noqa: E402
+from serving import free_port, stop_server, wait_until_ready  # noqa: E402
 
 SERVED_NAME = "bench"
 METRICS = ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms", "output_throughput")
@@ -76,17 +72,8 @@ def launch(engine: str, args: argparse.Namespace, model: str, log_path: str) -> 
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + args.launch_timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{engine} server exited with status {process.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return process, url
-        if time.time() > deadline:
-            stop_server(process)
-            raise RuntimeError(f"{engine} server not ready within {args.launch_timeout:.0f}s; see {log_path}")
-        time.sleep(0.5)
+    wait_until_ready(process, url + "/v1/models", args.launch_timeout, f"the {engine} server (log: {log_path})")
+    return process, url
 
 
 def bench_serve(args: argparse.Namespace, model: str, url: str, rate: float, out_dir: str, name: str) -> dict:
