@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The oracle is transformers in float32: keep dtype="auto" at float32 on CPUs with native bfloat16 too
+# (servers the tests start in subprocesses inherit it).
+os.environ.setdefault("PAGEDLLM_CPU_BF16", "0")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.models import build_model, get_model_class, load_model_config, load_tokenizer, resolve_model_path
+from pagedllm.models import build_model, get_model_class, load_model_config, load_tokenizer, loader, resolve_model_path
 from pagedllm.models.cpu_gemm import cpu_has_fast_bf16
 from pagedllm.models.gguf_loader import read_gguf
 from pagedllm.models.loader import DEFAULT_GGUF_NAME, iter_weights, list_weight_files
@@ -109,18 +109,24 @@ def test_unsupported_architecture(tmp_path) -> None:
                                               "GPT2LMHeadModel", "OPTForCausalLM"}
 
 
-def test_dtype_and_max_model_len(tiny_llama) -> None:
+def test_dtype_and_max_model_len(tiny_llama, monkeypatch) -> None:
     folder, _ = tiny_llama
     config_path = os.path.join(folder, "config.json")
     cfg = json.load(open(config_path))
-    # "auto": the checkpoint's dtype on CUDA; on a CPU bfloat16 only where it is native, else float32.
-    half = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    # "auto" on a CPU: bfloat16 where it is native, float32 checkpoints included (vLLM's rule);
+    # float32 elsewhere. On CUDA: the checkpoint's half precision, float32 served as bfloat16.
     on_cuda = torch.cuda.is_available()
-    for config_dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16 if on_cuda else half),
-                                   ("float16", torch.float16 if on_cuda else half)):
-        cfg["dtype"] = cfg["torch_dtype"] = config_dtype
-        json.dump(cfg, open(config_path, "w"))
-        assert load_model_config(folder).dtype == expected
+    for native in (False, True):
+        monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda native=native: native)
+        half = torch.bfloat16 if native else torch.float32
+        for config_dtype, expected in (("float32", torch.bfloat16 if on_cuda else half),
+                                       ("bfloat16", torch.bfloat16 if on_cuda else half),
+                                       ("float16", torch.float16 if on_cuda else half)):
+            cfg["dtype"] = cfg["torch_dtype"] = config_dtype
+            json.dump(cfg, open(config_path, "w"))
+            assert load_model_config(folder).dtype == expected, (native, config_dtype)
+    monkeypatch.setenv("PAGEDLLM_CPU_BF16", "0")
+    assert not cpu_has_fast_bf16()  # the suite's own setting: "auto" stays float32 on any CPU
     assert load_model_config(folder, dtype="bf16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_model_config(folder, dtype="int8")

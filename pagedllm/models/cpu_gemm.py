@@ -61,7 +61,12 @@ def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Native bfloat16 matmul instructions (AVX-512 BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    """Native bfloat16 matmul instructions (AVX-512 BF16 or AMX); elsewhere bf16 is emulated and slow.
+
+    ``PAGEDLLM_CPU_BF16=0`` answers no on any CPU, so that ``dtype="auto"`` keeps float32 (the
+    test suite does this: its oracle is transformers in float32)."""
+    if os.environ.get("PAGEDLLM_CPU_BF16", "1") == "0":
+        return False
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

@@ -119,14 +119,18 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> t
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."))
-    if config_dtype in (torch.float16, torch.bfloat16) and not torch.cuda.is_available():
-        # CPUs: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 / AMX: ~4x float32);
-        # elsewhere half precisions are emulated (bfloat16 GEMMs ~3x slower than float32 on AVX2)
-        # or missing (float16), and float32 is exact and faster.
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if config_dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if config_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        config_dtype = torch.float32
+    if torch.cuda.is_available():
+        # vLLM's rule: float32 checkpoints are served in a half precision the device multiplies natively.
+        if config_dtype == torch.float32 and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
         return config_dtype
-    return torch.float32
+    # CPUs: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 / AMX: ~4x float32's GEMM
+    # rate), float32 checkpoints included, as vLLM-CPU and OpenVINO do. Elsewhere half precisions
+    # are emulated (bfloat16 GEMMs ~3x slower than float32 on AVX2) or missing (float16), and
+    # float32 is exact and faster.
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def _derived_max_model_len(hf_config: Any) -> int:

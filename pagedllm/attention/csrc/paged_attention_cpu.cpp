@@ -50,15 +50,22 @@ inline void group_axpys(const float* __restrict__ p, const scalar_t* __restrict_
 }
 
 #if defined(__AVX512F__)
-// float32 rows of 64 / 128: the row is loaded into registers once for the whole group and each
-// dot product is a chain of FMAs with one horizontal sum (the compiler's simd reduction left a
-// generic loop that cost ~4x more per score).
-template <int HEAD_DIM>
-inline void group_dots_avx512(const float* __restrict__ q, const float* __restrict__ k, int64_t group,
+// 16 elements of a row as float32: bfloat16 widens by a 16-bit shift (its bits are float32's top half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// float32 / bfloat16 rows of 64 / 128: the row is loaded into registers once for the whole group
+// and each dot product is a chain of FMAs with one horizontal sum (the compiler's simd reduction
+// left a generic loop that cost ~4x more per score, and did not vectorise bfloat16's conversion).
+template <typename scalar_t, int HEAD_DIM>
+inline void group_dots_avx512(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t group,
                               float* __restrict__ s, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 kr[R];
-  for (int r = 0; r < R; ++r) kr[r] = _mm512_loadu_ps(k + 16 * r);
+  for (int r = 0; r < R; ++r) kr[r] = load16(k + 16 * r);
   for (int64_t j = 0; j < group; ++j) {
     const float* qj = q + j * HEAD_DIM;
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kr[0]);
@@ -67,12 +74,12 @@ inline void group_dots_avx512(const float* __restrict__ q, const float* __restri
   }
 }
 
-template <int HEAD_DIM>
-inline void group_axpys_avx512(const float* __restrict__ p, const float* __restrict__ v, int64_t group,
+template <typename scalar_t, int HEAD_DIM>
+inline void group_axpys_avx512(const float* __restrict__ p, const scalar_t* __restrict__ v, int64_t group,
                                float* __restrict__ acc, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 vr[R];
-  for (int r = 0; r < R; ++r) vr[r] = _mm512_loadu_ps(v + 16 * r);
+  for (int r = 0; r < R; ++r) vr[r] = load16(v + 16 * r);
   for (int64_t j = 0; j < group; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j * stride]);
     float* a = acc + j * HEAD_DIM;
@@ -80,24 +87,21 @@ inline void group_axpys_avx512(const float* __restrict__ p, const float* __restr
   }
 }
 
-template <>
-inline void group_dots<float, 64>(const float* q, const float* k, int64_t, int64_t group, float* s, int64_t stride) {
-  group_dots_avx512<64>(q, k, group, s, stride);
-}
-template <>
-inline void group_dots<float, 128>(const float* q, const float* k, int64_t, int64_t group, float* s, int64_t stride) {
-  group_dots_avx512<128>(q, k, group, s, stride);
-}
-template <>
-inline void group_axpys<float, 64>(const float* p, const float* v, int64_t, int64_t group, float* acc,
-                                   int64_t stride) {
-  group_axpys_avx512<64>(p, v, group, acc, stride);
-}
-template <>
-inline void group_axpys<float, 128>(const float* p, const float* v, int64_t, int64_t group, float* acc,
-                                    int64_t stride) {
-  group_axpys_avx512<128>(p, v, group, acc, stride);
-}
+#define PAGEDLLM_AVX512_GROUP_OPS(T, D)                                                                     \
+  template <>                                                                                               \
+  inline void group_dots<T, D>(const float* q, const T* k, int64_t, int64_t group, float* s, int64_t stride) { \
+    group_dots_avx512<T, D>(q, k, group, s, stride);                                                        \
+  }                                                                                                         \
+  template <>                                                                                               \
+  inline void group_axpys<T, D>(const float* p, const T* v, int64_t, int64_t group, float* acc,             \
+                                int64_t stride) {                                                           \
+    group_axpys_avx512<T, D>(p, v, group, acc, stride);                                                     \
+  }
+PAGEDLLM_AVX512_GROUP_OPS(float, 64)
+PAGEDLLM_AVX512_GROUP_OPS(float, 128)
+PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 64)
+PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 128)
+#undef PAGEDLLM_AVX512_GROUP_OPS
 #endif
 
 template <typename scalar_t, int HEAD_DIM>
