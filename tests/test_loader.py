@@ -119,7 +119,8 @@ def test_dtype_and_max_model_len(tiny_llama, monkeypatch) -> None:
     for native in (False, True):
         monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda native=native: native)
         half = torch.bfloat16 if native else torch.float32
-        for config_dtype, expected in (("float32", torch.bfloat16 if on_cuda else half),
+        cuda_float32 = torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
+        for config_dtype, expected in (("float32", cuda_float32 if on_cuda else half),
                                        ("bfloat16", torch.bfloat16 if on_cuda else half),
                                        ("float16", torch.float16 if on_cuda else half)):
             cfg["dtype"] = cfg["torch_dtype"] = config_dtype

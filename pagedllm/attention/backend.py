@@ -12,9 +12,10 @@ sequence and to itself. The step's keys and values are written into the cache fi
 chunk reads its own tokens and its earlier context alike, through the block table.
 
 On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: the decode
-kernel for all-decode steps, the chunked kernel for mixed ones. Elsewhere, or when the kernels
-are unavailable, the torch-native path (the reference) gathers the blocks into a temporary
-tensor for that step only. Nothing contiguous is kept between steps.
+kernel for all-decode steps, the chunked kernel for mixed ones, except prompts with nothing
+cached, which attend over the step's own keys and values through torch's fused causal SDPA.
+Elsewhere, or when the kernels are unavailable, the torch-native path (the reference) gathers
+the blocks into a temporary tensor for that step only. Nothing contiguous is kept between steps.
 
 A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p only; the
 block manager may then have released blocks wholly before every layer's window, and their
