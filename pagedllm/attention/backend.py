@@ -52,6 +52,7 @@ class AttentionMetadata:
     # In a sub-batch (decode_part, sub_batch): its rows in the whole batch.
     decode_rows: torch.Tensor | None = None
     _sub_batches: dict[tuple[int, ...], AttentionMetadata] = field(default_factory=dict, repr=False)
+    _fresh_splits: dict[int | None, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -73,11 +74,18 @@ class AttentionMetadata:
         index = [i for i, n in enumerate(self.query_lens) if n == 1]
         return self.sub_batch(tuple(index)) if index else None
 
-    @cached_property
-    def fresh_prompts(self) -> tuple[int, ...]:
-        """Sequences whose whole computation this step is a prompt (or its first chunk) with nothing
-        cached: their keys and values are this step's own, contiguous, no block read needed."""
-        return tuple(i for i, (n, c) in enumerate(zip(self.query_lens, self.num_cached_tokens)) if n > 1 and c == 0)
+    def fresh_split(self, window: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(fresh, rest): sequences whose whole computation this step is a prompt (or its first
+        chunk) with nothing cached and no window narrower than it, so their keys and values are
+        this step's own, contiguous, no block read needed; and every other sequence. Computed once
+        per step and window, shared by the layers."""
+        split = self._fresh_splits.get(window)
+        if split is None:
+            fresh = tuple(i for i, (n, c) in enumerate(zip(self.query_lens, self.num_cached_tokens))
+                          if n > 1 and c == 0 and (window is None or window >= n))
+            rest = tuple(i for i in range(self.num_seqs) if i not in fresh)
+            split = self._fresh_splits[window] = (fresh, rest)
+        return split
 
     def sub_batch(self, index: tuple[int, ...]) -> AttentionMetadata:
         """Sequences ``index`` as a batch of their own; ``decode_rows`` holds their rows in this batch."""
@@ -253,15 +261,13 @@ class PagedAttention(nn.Module):
         flash kernel multiplies bfloat16 natively: ~5x our kernel for a 448-token bfloat16 prompt,
         ~2x in float32). None when the kernel is unavailable."""
         window = self.sliding_window
-        fresh = () if self.logits_soft_cap is not None else tuple(
-            i for i in meta.fresh_prompts if window is None or window >= meta.query_lens[i])
+        fresh, rest = ((), ()) if self.logits_soft_cap is not None else meta.fresh_split(window)
         if not fresh:
             return paged_chunked_attention(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
                 self.scale, window or 0, self.logits_soft_cap or 0.0,
             )
         out = torch.empty_like(query)
-        rest = tuple(i for i in range(meta.num_seqs) if i not in fresh)
         if rest:
             part = meta.sub_batch(rest)
             attended = paged_chunked_attention(
