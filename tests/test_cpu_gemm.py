@@ -1,4 +1,4 @@
-"""The oneDNN reordered-weight linear path (models/cpu_gemm.py) against F.linear and the torch path."""
+"""The packed linear paths (models/cpu_gemm.py: oneDNN, our panel kernel) against F.linear and the torch path."""
 
 from __future__ import annotations
 
@@ -6,10 +6,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models import build_model, load_model_config
-from pagedllm.models.cpu_gemm import PackableLinear, cpu_gemm_enabled, dense, pack_linears
+from pagedllm.models.cpu_gemm import (
+    OneDNNWeight,
+    PackableLinear,
+    PanelWeight,
+    cpu_gemm_enabled,
+    cpu_gemm_path,
+    dense,
+    pack_linears,
+)
 
-ONEDNN = cpu_gemm_enabled(torch.device("cpu"), torch.float32)
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def panels_supported(dtype: torch.dtype) -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
@@ -23,15 +37,57 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
         expected = F.linear(x, layer.weight, layer.bias)
         assert layer.packed_weight is None
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)  # unpacked: F.linear itself
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight)
+        layer.packed_weight = OneDNNWeight(layer.weight)
         out = dense(x, layer, layer.bias)
     assert out.shape == (rows, 200)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(200, 96), (70, 576), (33, 1536), (40, 45)])  # (out, in): AMX needs in % 32 == 0
+@pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 45, 64, 300])
+def test_panel_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> None:
+    """The panel kernel over every tail: outputs not a multiple of 32, odd inputs, row blocks."""
+    if not panels_supported(dtype):
+        pytest.skip(f"no panel kernel for {dtype} on this CPU")
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    packed = PanelWeight(weight)
+    y = packed.linear(x, bias)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    expected = x.double() @ weight.double().T + bias.double()
+    # float32: summation order only; bfloat16: one rounding of the float32 sum
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.double() - expected).abs().max().item() < tol * expected.abs().max().item()
+    assert torch.equal(packed.linear(x.view(rows, 1, in_features), bias).view(rows, out_features), y)
+    if dtype == torch.float32:  # the bias is added to the finished sum
+        torch.testing.assert_close(packed.linear(x, None) + bias, y, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not panels_supported(torch.float32), reason="no float32 panel kernel on this CPU")
+def test_panel_kernel_rows_do_not_depend_on_their_batch() -> None:
+    """A row's float32 result is one sequential sum: the same alone as in any batch."""
+    torch.manual_seed(0)
+    weight = torch.randn(100, 96)
+    x = torch.randn(40, 96)
+    packed = PanelWeight(weight)
+    batch = packed.linear(x, None)
+    for i in (0, 13, 39):
+        assert torch.equal(packed.linear(x[i : i + 1], None)[0], batch[i])
+
+
 def test_gemm_path_choice(monkeypatch) -> None:
     assert not cpu_gemm_enabled(torch.device("meta"), torch.float32)
     assert not cpu_gemm_enabled(torch.device("cpu"), torch.float16)
+    if panels_supported(torch.float32):
+        monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "panels")
+        assert cpu_gemm_path(torch.device("cpu"), torch.float32) == "panels"
+    if ONEDNN:
+        monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
+        assert cpu_gemm_path(torch.device("cpu"), torch.float32) == "onednn"
     monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "torch")
     assert not cpu_gemm_enabled(torch.device("cpu"), torch.float32)
 

@@ -1,6 +1,7 @@
 """Our C++ CPU kernels, built with torch's cpp_extension: paged decode attention, paged attention
 over mixed batches (decodes and prompt chunks), greedy choice, linear layers over packed
-quantized weights, the decoder's fused elementwise chains (pagedllm/models/fused_ops.py).
+quantized weights and over panel-packed float weights (pagedllm/models/cpu_gemm.py), the decoder's
+fused elementwise chains (pagedllm/models/fused_ops.py).
 
 Built once per machine (about a minute; ``scripts/install.sh`` does it at install time), cached
 by torch under ``TORCH_EXTENSIONS_DIR``. If it cannot be built (no compiler, no ninja), the
@@ -31,6 +32,7 @@ _SOURCES = [
         "quant_linear_cpu.cpp",
         "quant_int8_cpu.cpp",
         "fused_ops_cpu.cpp",
+        "dense_gemm_cpu.cpp",
         "bindings.cpp",
     )
 ]

@@ -1,19 +1,27 @@
-"""Linear layers on the CPU through oneDNN with weights reordered once at load time.
+"""Linear layers on the CPU over weights packed once at load time: our panel kernel or oneDNN.
 
 ``F.linear`` on a CPU goes to MKL's sgemm, which re-packs the weight on every call and picks
-poor blockings for the shapes serving has (few rows, many output features): measured on this
+poor blockings for the shapes serving has (few rows, many output features): measured on a
 2-core AVX2 machine, a batch-64 decode step's MLP GEMM (64 x 576 -> 3072) takes 4.8 ms there
 and 1.8 ms through oneDNN with a pre-reordered weight; the LM head (64 x 576 -> 49152) 90 ms vs
-34 ms. This is the same oneDNN path torch.compile's CPU backend takes for frozen weights
-(``torch.ops.mkldnn._linear_pointwise``), without compiling anything.
+34 ms. Two packed paths replace it:
+
+- ``panels``: our kernel (attention/csrc/dense_gemm_cpu.cpp), weights in 32-column panels, AMX
+  tiles for bfloat16 where the CPU has them. At decode row counts the work is streaming each
+  weight once per step; this kernel reads it at close to the machine's bandwidth where oneDNN
+  reaches about two thirds of it (benchmarks/dense_gemm.py).
+- ``onednn``: the path torch.compile's CPU backend takes for frozen weights
+  (``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``), without compiling.
+
+``PAGEDLLM_CPU_GEMM`` picks one: ``auto`` (default: panels for float32 on AVX-512 CPUs and for
+bfloat16 on AMX CPUs, oneDNN otherwise), ``panels``, ``onednn``, or ``torch`` (F.linear).
 
 ``pack_linears(model)`` runs after the weights are loaded. Each ``PackableLinear`` (and the LM
-head, through ``lm_head_matmul``) then keeps only the reordered copy of its weight: the plain
+head, through ``lm_head_matmul``) then keeps only the packed copy of its weight: the plain
 parameter moves to the meta device (shape and dtype, no memory). A head tied to the embedding
 keeps its plain weight too, since the embedding looks rows up in it. float32 results differ from
-``F.linear`` in the last bits only (another summation order). bfloat16 takes this path only
-where oneDNN supports it (AVX-512 / AMX / AVX-NE-CONVERT); elsewhere F.linear stays.
-``PAGEDLLM_CPU_GEMM=torch`` turns the whole path off.
+``F.linear`` in the last bits only (another summation order). bfloat16 takes a packed path only
+where the CPU multiplies it natively; elsewhere F.linear stays.
 """
 
 from __future__ import annotations
@@ -25,13 +33,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 
-class PackableLinear(nn.Linear):
-    """nn.Linear whose forward uses the oneDNN-reordered weight once ``pack_linears`` made one."""
+class OneDNNWeight:
+    """A weight reordered for oneDNN's inner-product primitive."""
 
-    packed_weight: torch.Tensor | None = None
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+class PanelWeight:
+    """A weight packed in column panels for our CPU kernel."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._kernels = load_cpu_kernels()
+        self.out_features, self.in_features = weight.shape
+        self.data = self._kernels.dense_pack_weight(weight.detach().contiguous())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._kernels.dense_linear(x, self.data, bias, self.out_features, self.in_features)
+
+
+PackedWeight = OneDNNWeight | PanelWeight
+
+
+class PackableLinear(nn.Linear):
+    """nn.Linear whose forward uses the packed weight once ``pack_linears`` made one."""
+
+    packed_weight: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self, self.bias)
@@ -41,23 +76,36 @@ def dense(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch
     """``x @ layer.weight.T + bias``, through the packed weight when the layer has one."""
     packed = layer.packed_weight
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed.linear(x, bias)
     weight = layer.weight
     if not isinstance(weight, torch.Tensor):  # a QuantizedWeight: packed rows
         return weight.linear(x, bias)
     return F.linear(x, weight, bias)
 
 
-def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or os.environ.get("PAGEDLLM_CPU_GEMM", "onednn") == "torch":
-        return False
+def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
+    """"panels", "onednn", or None (F.linear) for weights of this dtype on this device."""
+    choice = os.environ.get("PAGEDLLM_CPU_GEMM", "auto")
+    if device.type != "cpu" or choice == "torch" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if choice in ("auto", "panels") and _panels_supported(dtype):
+        # bfloat16 without AMX multiplies through vdpbf16ps, slower than oneDNN past a few rows
+        if choice == "panels" or dtype == torch.float32 or torch.cpu._is_amx_tile_supported():
+            return "panels"
     if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+        return None
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return "onednn"
+
+
+def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    return cpu_gemm_path(device, dtype) is not None
+
+
+def _panels_supported(dtype: torch.dtype) -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -70,36 +118,37 @@ def cpu_has_fast_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def reorder_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+def pack_weight(weight: torch.Tensor, path: str) -> PackedWeight:
+    return PanelWeight(weight) if path == "panels" else OneDNNWeight(weight)
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Give every PackableLinear and the LM head (``model.logits_head()``) a reordered weight.
+    """Give every PackableLinear and the LM head (``model.logits_head()``) a packed weight.
 
     Returns how many weights were packed (0 when the path is off for this device / dtype).
     """
-    if not cpu_gemm_enabled(device, dtype):
+    path = cpu_gemm_path(device, dtype)
+    if path is None:
         return 0
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, PackableLinear) and isinstance(module.weight, torch.Tensor):
-                module.packed_weight = reorder_weight(module.weight)
+                module.packed_weight = pack_weight(module.weight, path)
                 _drop_plain_weight(module)
                 count += 1
         head = model.logits_head()
         if isinstance(head.weight, torch.Tensor):
-            head.packed_weight = reorder_weight(head.weight)
+            head.packed_weight = pack_weight(head.weight, path)
             if not getattr(model, "tie_word_embeddings", False):
                 _drop_plain_weight(head)  # a tied head is also the embedding, which looks rows up
             count += 1
-    logger.info("oneDNN: %d linear weights reordered for the CPU", count)
+    logger.info("CPU GEMM: %d linear weights packed for the %s path", count, path)
     return count
 
 
 def _drop_plain_weight(module: nn.Module) -> None:
-    """Keep one copy of the weight: the reordered one. The parameter stays, on the meta device, so
+    """Keep one copy of the weight: the packed one. The parameter stays, on the meta device, so
     the module still reports its shape and dtype."""
     weight = module.weight
     module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
@@ -109,7 +158,7 @@ def lm_head_matmul(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """``hidden @ head.weight.T`` (the LM head, or the tied embedding serving as one)."""
     packed = getattr(head, "packed_weight", None)
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+        return packed.linear(hidden, None)
     if not isinstance(head.weight, torch.Tensor):  # a QuantizedWeight: packed rows
         return head.weight.linear(hidden, None)
     return torch.matmul(hidden, head.weight.t())

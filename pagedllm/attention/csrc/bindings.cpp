@@ -27,6 +27,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 torch::Tensor gelu_and_mul(torch::Tensor x);
 void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+bool dense_gemm_supported(torch::Tensor weight);
+torch::Tensor dense_pack_weight(torch::Tensor weight);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
+                           int64_t k_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -49,4 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_and_mul", &gelu_and_mul, "[T, 2I] -> gelu(gate) * up, [T, I] (CPU)");
   m.def("rotary_embedding_inplace", &rotary_embedding_inplace,
         "Rotate-half rotary embedding of x [T, H, D] in place by cos, sin [T, rotary_dim / 2] (CPU)");
+  m.def("dense_gemm_supported", &dense_gemm_supported, "Whether weights of this dtype can be panel-packed here");
+  m.def("dense_pack_weight", &dense_pack_weight, "An [N, K] float32 / bfloat16 weight packed in column panels (CPU)");
+  m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs (CPU)");
 }
