@@ -10,8 +10,8 @@ prefill, one per request per decode step).
 
 Every (rows, projection) shape is timed here, on the model's real number of weight copies (one per
 layer, cycled as a forward pass does, so the weights stream from memory as they do in a serving
-step instead of sitting in cache), by each available path: torch's F.linear (MKL) and oneDNN with
-weights reordered once (pagedllm.models.cpu_gemm); the faster of the two counts for each shape.
+step instead of sitting in cache), by each available path: torch's F.linear (MKL), oneDNN with
+weights reordered once, our panel kernel (pagedllm.models.cpu_gemm); the fastest counts per shape.
 Row counts between the timed ones are interpolated. Attention's two products are added at the best
 GEMM rate seen (on these workloads they are a few percent of the work); norms, rope, sampling and
 everything else count as free. The result is a ceiling: a measured engine above 100% of it means
@@ -86,14 +86,16 @@ def ideal_schedule(requests: list[tuple[int, int]], prefill_rows: int,
 
 def _gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
     """name -> (weight -> (x -> x @ weight.T)); each path prepares its weight once, as an engine would."""
-    from pagedllm.models.cpu_gemm import cpu_gemm_enabled, reorder_weight
+    from pagedllm.attention.cpu_kernels import load_cpu_kernels
+    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight
 
     paths = {"F.linear": lambda w: (lambda x: torch.nn.functional.linear(x, w))}
-    if cpu_gemm_enabled(torch.device("cpu"), dtype):
-        def onednn(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-            packed = reorder_weight(w)
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        paths["oneDNN"] = onednn
+    onednn_dtype = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if torch.backends.mkldnn.is_available() and onednn_dtype:
+        paths["oneDNN"] = lambda w: (lambda x, packed=OneDNNWeight(w): packed.linear(x, None))
+    kernels = load_cpu_kernels()
+    if kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype)):
+        paths["panels"] = lambda w: (lambda x, packed=PanelWeight(w): packed.linear(x, None))
     return paths
 
 
