@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import (
+    GatedPanelWeight,
     OneDNNWeight,
     PackableLinear,
     PanelWeight,
@@ -77,6 +78,25 @@ def test_panel_kernel_rows_do_not_depend_on_their_batch() -> None:
     batch = packed.linear(x, None)
     for i in (0, 13, 39):
         assert torch.equal(packed.linear(x[i : i + 1], None)[0], batch[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 40])
+@pytest.mark.parametrize("rows", [1, 7, 33, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: int, rows: int, bias: bool) -> None:
+    """silu(gate) * up in the GEMM's epilogue: the same bits as the GEMM, then the silu_and_mul kernel."""
+    if not panels_supported(dtype):
+        pytest.skip(f"no panel kernel for {dtype} on this CPU")
+    torch.manual_seed(rows)
+    width = 96
+    weight = (torch.randn(2 * width, in_features) / 8).to(dtype)
+    b = torch.randn(2 * width).to(dtype) if bias else None
+    x = torch.randn(rows, in_features).to(dtype)
+    gated, plain = GatedPanelWeight(weight, b), PanelWeight(weight)
+    unfused = plain.linear(x, b)
+    assert torch.equal(gated.linear(x, b), unfused)  # the plain product, in the weight's own row order
+    assert torch.equal(gated.silu_and_mul(x), load_cpu_kernels().silu_and_mul(unfused))
 
 
 def test_gemm_path_choice(monkeypatch) -> None:

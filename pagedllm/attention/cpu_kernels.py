@@ -36,7 +36,7 @@ _SOURCES = [
         "bindings.cpp",
     )
 ]
-_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", "quant_formats.h")]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("quant_formats.h", "vec_math.h")]
 _lock = threading.Lock()
 
 

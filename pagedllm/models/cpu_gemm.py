@@ -57,7 +57,38 @@ class PanelWeight:
         self.data = self._kernels.dense_pack_weight(weight.detach().contiguous())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._kernels.dense_linear(x, self.data, bias, self.out_features, self.in_features)
+        return self._kernels.dense_linear(x, self.data, bias, self.out_features, self.in_features, False)
+
+
+class GatedPanelWeight(PanelWeight):
+    """A gated MLP's stacked [gate; up] weight packed so the kernel's epilogue applies silu(gate) * up:
+    rows reordered in blocks of 16, each gate block followed by the up block of the same outputs."""
+
+    BLOCK = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._order = gated_row_order(weight.shape[0], self.BLOCK)
+        super().__init__(weight[self._order])
+        self._original = torch.argsort(self._order)
+        self.bias = None if bias is None else bias.detach()[self._order].contiguous()
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T + b) * (x @ up.T + b): [..., I]."""
+        return self._kernels.dense_linear(x, self.data, self.bias, self.out_features, self.in_features, True)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The plain product, in the weight's own row order (gate, then up)."""
+        return super().linear(x, None if bias is None else bias[self._order])[..., self._original]
+
+
+def gated_row_order(rows: int, block: int) -> torch.Tensor:
+    """[gate; up] rows -> gate block 0, up block 0, gate block 1, ... (``rows`` = 2 * I, I % block == 0)."""
+    return torch.arange(rows).view(2, rows // (2 * block), block).transpose(0, 1).reshape(-1)
+
+
+def gated_panels_supported(layer: nn.Module) -> bool:
+    """Whether ``pack_linears`` may give this stacked gate/up layer a GatedPanelWeight."""
+    return layer.out_features % (2 * GatedPanelWeight.BLOCK) == 0
 
 
 PackedWeight = OneDNNWeight | PanelWeight
@@ -67,6 +98,8 @@ class PackableLinear(nn.Linear):
     """nn.Linear whose forward uses the packed weight once ``pack_linears`` made one."""
 
     packed_weight: PackedWeight | None = None
+    # Set by a gated MLP on its stacked gate/up layer: the activation its output goes through.
+    gated_activation: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self, self.bias)
@@ -134,7 +167,10 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, PackableLinear) and isinstance(module.weight, torch.Tensor):
-                module.packed_weight = pack_weight(module.weight, path)
+                if path == "panels" and module.gated_activation in ("silu", "swish") and gated_panels_supported(module):
+                    module.packed_weight = GatedPanelWeight(module.weight, module.bias)
+                else:
+                    module.packed_weight = pack_weight(module.weight, path)
                 _drop_plain_weight(module)
                 count += 1
         head = model.logits_head()

@@ -15,7 +15,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.cpu_gemm import dense
+from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
 from pagedllm.models.families import DecoderSettings, decoder_settings
 from pagedllm.models.layers import ActAndMul, get_activation, make_norm
 from pagedllm.models.parallel_layers import (
@@ -73,15 +73,23 @@ class GatedMLP(nn.Module):
         super().__init__()
         sizes = {"gate": intermediate_size, "up": intermediate_size}
         self.gate_up_proj = MergedColumnParallelLinear(s.hidden_size, sizes, bias=bias)
+        self.gate_up_proj.gated_activation = s.activation  # lets the CPU GEMM fuse act(gate) * up
         self.down_proj = RowParallelLinear(intermediate_size, s.hidden_size, bias=bias)
         self.act_and_mul = ActAndMul(s.activation)
 
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x): one kernel when the gate/up weight is packed for it."""
+        packed = self.gate_up_proj.packed_weight
+        if isinstance(packed, GatedPanelWeight):
+            return packed.silu_and_mul(x)
+        return self.act_and_mul(self.gate_up_proj(x))
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce (experts reduce once, together)."""
-        return dense(self.act_and_mul(self.gate_up_proj(x)), self.down_proj, None)
+        return dense(self.activated(x), self.down_proj, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.activated(x))
 
 
 class PlainMLP(nn.Module):

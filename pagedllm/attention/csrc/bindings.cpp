@@ -30,7 +30,7 @@ void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor 
 bool dense_gemm_supported(torch::Tensor weight);
 torch::Tensor dense_pack_weight(torch::Tensor weight);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
-                           int64_t k_dim);
+                           int64_t k_dim, bool silu_and_mul);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -55,5 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotate-half rotary embedding of x [T, H, D] in place by cos, sin [T, rotary_dim / 2] (CPU)");
   m.def("dense_gemm_supported", &dense_gemm_supported, "Whether weights of this dtype can be panel-packed here");
   m.def("dense_pack_weight", &dense_pack_weight, "An [N, K] float32 / bfloat16 weight packed in column panels (CPU)");
-  m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs (CPU)");
+  m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs; silu_and_mul: a gated weight (each "
+        "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)");
 }

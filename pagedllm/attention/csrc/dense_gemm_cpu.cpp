@@ -3,10 +3,9 @@
 //
 // Why not oneDNN: serving's GEMMs are short and wide (a decode batch of 1-64 rows against a
 // 576 x 3072 weight). There the work is streaming each weight from memory once per call; oneDNN's
-// kernels reach about a third of the machine's read bandwidth at 1-64 rows (a fixed cost per call
-// and a blocking made for square matrices), and its float32 kernel falls to ~2 GB/s at 64 rows.
-// Here each thread reads one contiguous run of the weight per call, and every row of x is done
-// while a panel is in cache.
+// bfloat16 kernels read weights at 9-10 GB/s at 1-64 rows on a 2-core AMX machine that reads
+// 16 GB/s (benchmarks/dense_gemm.py). Here each thread reads one contiguous run of the weight per
+// call, and every row of x is done while a panel is in cache.
 //
 // Packed layout, panel p holding output features 32p .. 32p + 31 (zero past N):
 //   float32   [P, K, 32]           row k: the panel's weights for input k
@@ -15,10 +14,16 @@
 // The micro-kernel keeps up to 12 rows x 32 outputs in 24 registers and walks the inputs: one
 // broadcast of x and two loads of the panel per step. Each output is one sequential sum over k in
 // float32 (bias added last, bfloat16 rounded once), whatever the row count or the thread split: a
-// row's result never depends on the batch it is in.
+// float32 row's result never depends on the batch it is in.
 //
-// bfloat16 on AMX: rows in blocks of 32 go through tile multiplies on the same packed weight (a
-// panel's 16 pair-rows x 16 outputs are a B tile at a 128-byte stride); the rest through vdpbf16ps.
+// bfloat16 on AMX: every row goes through tile multiplies on the same packed weight (a panel's 16
+// pair-rows x 16 outputs are a B tile at a 128-byte stride), in blocks of 32 rows, the last block
+// zero-padded; without AMX through vdpbf16ps. On AMX the sums come out in another order than on
+// the vector path, so there a bfloat16 row's last bits may depend on its block.
+//
+// A gated MLP's gate and up weights can be packed as one, each panel 16 gate rows then the 16 up
+// rows of the same outputs: the epilogue then writes silu(gate) * up directly (rounded as the
+// unfused layers round in bfloat16), and the [rows, 2I] intermediate never reaches memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,9 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 #if defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -117,11 +120,25 @@ struct Panel<float> {
     _mm512_mask_storeu_ps(y, mask0, s0);
     _mm512_mask_storeu_ps(y + 16, mask1, s1);
   }
+  // A gated panel: 16 gate sums, then the 16 up sums of the same outputs -> silu(gate) * up.
+  static void store_gated(const float* sums, const float* bias, raw* y) {
+    __m512 gate = _mm512_loadu_ps(sums), up = _mm512_loadu_ps(sums + 16);
+    if (bias != nullptr) {
+      gate = _mm512_add_ps(gate, _mm512_loadu_ps(bias));
+      up = _mm512_add_ps(up, _mm512_loadu_ps(bias + 16));
+    }
+    _mm512_storeu_ps(y, _mm512_mul_ps(pagedllm::silu16(gate), up));
+  }
 };
 
 #if defined(__AVX512BF16__)
 inline __m512 widen_bf16(__mmask16 mask, const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __m512 round_bf16(__m512 v) {
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 template <>
@@ -141,8 +158,42 @@ struct Panel<at::BFloat16> {
     _mm256_mask_storeu_epi16(y, mask0, (__m256i)_mm512_cvtneps_pbh(s0));
     _mm256_mask_storeu_epi16(y + 16, mask1, (__m256i)_mm512_cvtneps_pbh(s1));
   }
+  // Rounded where the unfused layers round: the GEMM's outputs, silu's, and the product.
+  static void store_gated(const float* sums, const uint16_t* bias, raw* y) {
+    __m512 gate = _mm512_loadu_ps(sums), up = _mm512_loadu_ps(sums + 16);
+    if (bias != nullptr) {
+      gate = _mm512_add_ps(gate, widen_bf16(0xffff, bias));
+      up = _mm512_add_ps(up, widen_bf16(0xffff, bias + 16));
+    }
+    const __m512 act = round_bf16(pagedllm::silu16(round_bf16(gate)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, round_bf16(up))));
+  }
 };
 #endif
+
+// Writes one panel's sums of a row: plain (32 outputs, the last panel masked to N), or gated
+// (16 outputs, silu(gate) * up, into a row of N / 2).
+template <typename T>
+struct Epilogue {
+  using raw = typename Panel<T>::raw;
+  const raw* bias;
+  raw* y;
+  int64_t ldy, n_dim;
+  bool gated;
+
+  void operator()(const float* sums, int64_t row, int64_t panel) const {
+    const int64_t n0 = panel * kPanel;
+    const raw* panel_bias = bias == nullptr ? nullptr : bias + n0;
+    if (gated) {
+      Panel<T>::store_gated(sums, panel_bias, y + row * ldy + panel * (kPanel / 2));
+      return;
+    }
+    const int64_t valid = std::min<int64_t>(kPanel, n_dim - n0);
+    const __mmask16 mask0 = static_cast<__mmask16>((1u << std::min<int64_t>(valid, 16)) - 1u);
+    const __mmask16 mask1 = static_cast<__mmask16>((1u << std::max<int64_t>(valid - 16, 0)) - 1u);
+    Panel<T>::store(sums, panel_bias, y + row * ldy + n0, mask0, mask1);
+  }
+};
 
 template <typename T>
 void tile_rows(int rows, const typename Panel<T>::raw* x, int64_t ldx, const typename Panel<T>::raw* panel,
@@ -233,7 +284,7 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
 
 // All rows through AMX: blocks of 32, then the rest (zero-padded to 16 or 32 rows in `tail`).
 void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* packed, int64_t k_dim, int64_t n_dim,
-              uint16_t* y, int64_t ldy, const uint16_t* bias) {
+              const Epilogue<at::BFloat16>& write) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<at::BFloat16>::stride(k_dim);
   const int64_t full_rows = rows / 32 * 32, rest = rows - full_rows;
@@ -245,27 +296,16 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
     configure_tiles();
     for (int64_t p = p_begin; p < p_end; ++p) {
       const uint16_t* panel = packed + p * panel_stride;
-      const int64_t n0 = p * kPanel;
-      const int64_t valid = std::min<int64_t>(kPanel, n_dim - n0);
-      const __mmask16 mask0 = static_cast<__mmask16>((1u << std::min<int64_t>(valid, 16)) - 1u);
-      const __mmask16 mask1 = static_cast<__mmask16>((1u << std::max<int64_t>(valid - 16, 0)) - 1u);
-      const uint16_t* panel_bias = bias == nullptr ? nullptr : bias + n0;
-      auto store = [&](int64_t row0, int64_t count) {
-        for (int64_t r = 0; r < count; ++r) {
-          Panel<at::BFloat16>::store(sums + r * kPanel, panel_bias, y + (row0 + r) * ldy + n0, mask0, mask1);
-        }
-      };
       for (int64_t m = 0; m < full_rows; m += 32) {
         amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums);
-        store(m, 32);
+        for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
       }
       if (rest_tiles == 1) {
         amx_block<1>(tail.data(), k_dim, panel, k_dim, sums);
-        store(full_rows, rest);
       } else if (rest_tiles == 2) {
         amx_block<2>(tail.data(), k_dim, panel, k_dim, sums);
-        store(full_rows, rest);
       }
+      for (int64_t r = 0; r < rest; ++r) write(sums + r * kPanel, full_rows + r, p);
     }
     _tile_release();
   });
@@ -274,10 +314,10 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
 
 template <typename T>
 void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const typename Panel<T>::raw* packed,
-          int64_t k_dim, int64_t n_dim, typename Panel<T>::raw* y, int64_t ldy, const typename Panel<T>::raw* bias) {
+          int64_t k_dim, int64_t n_dim, const Epilogue<T>& write) {
 #if defined(__AMX_BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (k_dim % 32 == 0 && amx_ready()) return amx_gemm(x, ldx, rows, packed, k_dim, n_dim, y, ldy, bias);
+    if (k_dim % 32 == 0 && amx_ready()) return amx_gemm(x, ldx, rows, packed, k_dim, n_dim, write);
   }
 #endif
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
@@ -286,15 +326,10 @@ void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const type
     alignas(64) float sums[kTile * kPanel];
     for (int64_t p = p_begin; p < p_end; ++p) {
       const auto* panel = packed + p * panel_stride;
-      const int64_t n0 = p * kPanel;
-      const int64_t valid = std::min<int64_t>(kPanel, n_dim - n0);
-      const __mmask16 mask0 = static_cast<__mmask16>((1u << std::min<int64_t>(valid, 16)) - 1u);
-      const __mmask16 mask1 = static_cast<__mmask16>((1u << std::max<int64_t>(valid - 16, 0)) - 1u);
-      const auto* panel_bias = bias == nullptr ? nullptr : bias + n0;
       for (int64_t m = 0; m < rows; m += kTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kTile, rows - m));
         tile_rows<T>(tile, x + m * ldx, ldx, panel, k_dim, sums);
-        for (int r = 0; r < tile; ++r) Panel<T>::store(sums + r * kPanel, panel_bias, y + (m + r) * ldy + n0, mask0, mask1);
+        for (int r = 0; r < tile; ++r) write(sums + r * kPanel, m + r, p);
       }
     }
   });
@@ -334,17 +369,19 @@ torch::Tensor dense_pack_weight(torch::Tensor weight) {
 }
 
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
-                           int64_t k_dim) {
+                           int64_t k_dim, bool silu_and_mul) {
   TORCH_CHECK(dtype_supported(packed.scalar_type()), "no packed GEMM for ", packed.scalar_type(), " on this CPU");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x is ", x.scalar_type(), ", the weight ", packed.scalar_type());
   TORCH_CHECK(packed.is_contiguous() && packed.size(0) * kPanel >= n_dim, "not a packed weight of ", n_dim, " rows");
   TORCH_CHECK(x.size(-1) == k_dim, "x has ", x.size(-1), " features, the weight ", k_dim);
+  TORCH_CHECK(!silu_and_mul || n_dim % kPanel == 0, "a gated weight has a multiple of ", kPanel, " rows");
   auto sizes = x.sizes().vec();
   auto x2 = x.reshape({-1, k_dim});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t rows = x2.size(0);
-  sizes.back() = n_dim;
-  auto y = torch::empty({rows, n_dim}, x.options());
+  const int64_t out_dim = silu_and_mul ? n_dim / 2 : n_dim;
+  sizes.back() = out_dim;
+  auto y = torch::empty({rows, out_dim}, x.options());
   torch::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     bias_c = bias->to(x.scalar_type()).contiguous();
@@ -353,16 +390,18 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
 #if defined(__AVX512F__)
   if (rows > 0) {
     if (x.scalar_type() == at::kFloat) {
-      gemm<float>(x2.data_ptr<float>(), x2.stride(0), rows, packed.data_ptr<float>(), k_dim, n_dim,
-                  y.data_ptr<float>(), n_dim, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
+      const Epilogue<float> write{bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                                  out_dim, n_dim, silu_and_mul};
+      gemm<float>(x2.data_ptr<float>(), x2.stride(0), rows, packed.data_ptr<float>(), k_dim, n_dim, write);
     }
 #if defined(__AVX512BF16__)
     else {
       using raw = uint16_t;
+      const Epilogue<at::BFloat16> write{
+          bias_c.defined() ? reinterpret_cast<const raw*>(bias_c.data_ptr()) : nullptr,
+          reinterpret_cast<raw*>(y.data_ptr()), out_dim, n_dim, silu_and_mul};
       gemm<at::BFloat16>(reinterpret_cast<const raw*>(x2.data_ptr()), x2.stride(0), rows,
-                         reinterpret_cast<const raw*>(packed.data_ptr()), k_dim, n_dim,
-                         reinterpret_cast<raw*>(y.data_ptr()), n_dim,
-                         bias_c.defined() ? reinterpret_cast<const raw*>(bias_c.data_ptr()) : nullptr);
+                         reinterpret_cast<const raw*>(packed.data_ptr()), k_dim, n_dim, write);
     }
 #endif
   }
