@@ -110,6 +110,9 @@ def test_gemm_path_choice(monkeypatch) -> None:
         assert cpu_gemm_path(torch.device("cpu"), torch.float32) == "onednn"
     monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "torch")
     assert not cpu_gemm_enabled(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_GEMM='mkl'"):
+        cpu_gemm_path(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")

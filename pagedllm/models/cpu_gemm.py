@@ -116,9 +116,14 @@ def dense(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch
     return F.linear(x, weight, bias)
 
 
+GEMM_CHOICES = ("auto", "panels", "onednn", "torch")
+
+
 def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
     """"panels", "onednn", or None (F.linear) for weights of this dtype on this device."""
     choice = os.environ.get("PAGEDLLM_CPU_GEMM", "auto")
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"PAGEDLLM_CPU_GEMM={choice!r}: expected one of {', '.join(GEMM_CHOICES)}")
     if device.type != "cpu" or choice == "torch" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if choice in ("auto", "panels") and _panels_supported(dtype):
