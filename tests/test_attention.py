@@ -119,10 +119,10 @@ def test_prefill_matches_reference(use_cpu_kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
 @pytest.mark.parametrize("use_cpu_kernel", [False, True])
 def test_decode_matches_reference(use_cpu_kernel, head_dim, dtype):
-    """Head sizes 64 and 128 take the kernel's vectorised rows (float32 and bfloat16), others the generic loop."""
+    """Head sizes 32, 64 and 128 take the kernel's vectorised rows (float32 and bfloat16), others the generic loop."""
     for seed in range(8):
         _run(seed, "decode", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim, dtype=dtype)
 

@@ -391,6 +391,8 @@ def test_greedy_kernel_matches_torch() -> None:
     logits = torch.randn(37, 5001, generator=gen) * 4
     logits[3, [10, 20]] = 100.0  # a tie: the first index wins, as in torch.argmax
     logits[5] = 0.0  # all equal
+    logits[7, 4999] = 100.0  # the maximum past the last full 16-wide chunk
+    logits[8, [4995, 5000]] = 100.0  # a tie within that tail
     ids, logprobs = greedy_pick(logits)
     assert torch.equal(ids, logits.argmax(dim=-1))
     expected = torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "vec_math.h"
+
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
   TORCH_CHECK(logits.scalar_type() == torch::kFloat, "logits must be float32");
@@ -26,12 +28,26 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits) {
       float max_value = row[0];
 #pragma omp simd reduction(max : max_value)
       for (int64_t i = 0; i < vocab; ++i) max_value = std::max(max_value, row[i]);
-      int64_t arg = 0;
       // The first maximum; bounded, since a NaN row (a broken model) has no element equal to max.
-      while (arg < vocab - 1 && row[arg] != max_value) ++arg;
+      int64_t arg = -1, i = 0;
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < vocab; ++i) sum += std::exp(row[i] - max_value);
+#if defined(__AVX512F__)
+      const __m512 top = _mm512_set1_ps(max_value);
+      for (; arg < 0 && i + 16 <= vocab; i += 16) {
+        const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + i), top);
+        if (hit) arg = i + __builtin_ctz(hit);
+      }
+      __m512 sums = _mm512_setzero_ps();
+      for (i = 0; i + 16 <= vocab; i += 16) {
+        sums = _mm512_add_ps(sums, pagedllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), top)));
+      }
+      sum = _mm512_reduce_add_ps(sums);
+#endif
+      if (arg < 0) {
+        arg = i;
+        while (arg < vocab - 1 && row[arg] != max_value) ++arg;
+      }
+      for (; i < vocab; ++i) sum += std::exp(row[i] - max_value);
       ids[r] = arg;
       lp[r] = -std::log(sum);
     }

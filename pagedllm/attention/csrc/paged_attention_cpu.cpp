@@ -57,7 +57,7 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// float32 / bfloat16 rows of 64 / 128: the row is loaded into registers once for the whole group
+// float32 / bfloat16 rows of 32 / 64 / 128: the row is loaded into registers once for the whole group
 // and each dot product is a chain of FMAs with one horizontal sum (the compiler's simd reduction
 // left a generic loop that cost ~4x more per score, and did not vectorise bfloat16's conversion).
 template <typename scalar_t, int HEAD_DIM>
@@ -97,8 +97,10 @@ inline void group_axpys_avx512(const float* __restrict__ p, const scalar_t* __re
                                 int64_t stride) {                                                           \
     group_axpys_avx512<T, D>(p, v, group, acc, stride);                                                     \
   }
+PAGEDLLM_AVX512_GROUP_OPS(float, 32)
 PAGEDLLM_AVX512_GROUP_OPS(float, 64)
 PAGEDLLM_AVX512_GROUP_OPS(float, 128)
+PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 32)
 PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 64)
 PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 128)
 #undef PAGEDLLM_AVX512_GROUP_OPS
@@ -197,6 +199,7 @@ void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache,
         num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
   switch (head_dim) {
+    case 32: run(std::integral_constant<int, 32>{}); break;
     case 64: run(std::integral_constant<int, 64>{}); break;
     case 128: run(std::integral_constant<int, 128>{}); break;
     default: run(std::integral_constant<int, 0>{}); break;
