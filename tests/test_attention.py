@@ -136,6 +136,18 @@ def test_mixed_batch_matches_reference(use_cpu_kernel, head_dim):
         _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype):
+    """Every multi-token chunk after a cached context routed to torch's SDPA over its gathered
+    context (the CPU path does this from SDPA_MIN_CHUNK tokens on), decodes still through the kernel."""
+    import pagedllm.attention.backend as backend
+
+    monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    for seed in range(8):
+        for head_dim in (8, 64):
+            _run(seed, "mixed", use_cpu_kernel=True, head_dim=head_dim, dtype=dtype)
+
+
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
 @pytest.mark.parametrize("use_cpu_kernel", [False, True])
 def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):

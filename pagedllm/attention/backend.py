@@ -35,6 +35,11 @@ from torch import nn
 
 from pagedllm.attention.cpu_kernels import paged_chunked_attention, paged_decode_attention
 
+# On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
+# SDPA over their gathered context rather than our chunked kernel (which stays for decodes and
+# short chunks, where gathering the context would cost more than the attention).
+SDPA_MIN_CHUNK = 64
+
 
 @dataclass
 class AttentionMetadata:
@@ -52,7 +57,7 @@ class AttentionMetadata:
     # In a sub-batch (decode_part, sub_batch): its rows in the whole batch.
     decode_rows: torch.Tensor | None = None
     _sub_batches: dict[tuple[int, ...], AttentionMetadata] = field(default_factory=dict, repr=False)
-    _fresh_splits: dict[int | None, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, repr=False)
+    _sdpa_splits: dict[int | None, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -74,17 +79,21 @@ class AttentionMetadata:
         index = [i for i, n in enumerate(self.query_lens) if n == 1]
         return self.sub_batch(tuple(index)) if index else None
 
-    def fresh_split(self, window: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(fresh, rest): sequences whose whole computation this step is a prompt (or its first
-        chunk) with nothing cached and no window narrower than it, so their keys and values are
-        this step's own, contiguous, no block read needed; and every other sequence. Computed once
-        per step and window, shared by the layers."""
-        split = self._fresh_splits.get(window)
+    def sdpa_split(self, window: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(sdpa, rest): sequences whose queries this step are a prompt chunk that torch's fused
+        SDPA serves better than our chunked kernel, and every other sequence. A chunk with nothing
+        cached (its keys and values are this step's own, no block read needed), or one of at least
+        ``SDPA_MIN_CHUNK`` tokens after a cached context (its context gathered from the blocks),
+        either with no window narrower than what it attends. Computed once per step and window,
+        shared by the layers."""
+        split = self._sdpa_splits.get(window)
         if split is None:
-            fresh = tuple(i for i, (n, c) in enumerate(zip(self.query_lens, self.num_cached_tokens))
-                          if n > 1 and c == 0 and (window is None or window >= n))
-            rest = tuple(i for i in range(self.num_seqs) if i not in fresh)
-            split = self._fresh_splits[window] = (fresh, rest)
+            sdpa = tuple(
+                i for i, (n, c) in enumerate(zip(self.query_lens, self.num_cached_tokens))
+                if n > 1 and (c == 0 or n >= SDPA_MIN_CHUNK) and (window is None or window >= n + c)
+            )
+            rest = tuple(i for i in range(self.num_seqs) if i not in sdpa)
+            split = self._sdpa_splits[window] = (sdpa, rest)
         return split
 
     def sub_batch(self, index: tuple[int, ...]) -> AttentionMetadata:
@@ -238,15 +247,22 @@ class PagedAttention(nn.Module):
             if cached[i] == 0:
                 out[start:end] = self._causal(query, key, value, start, end)
                 continue
-            # The chunk's own keys are in the cache already: read them with the context (released
-            # blocks read as block 0 and fall outside the window mask).
-            total = cached[i] + num_new
-            table = meta.block_tables[i : i + 1]
-            k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
-            v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
-            q = query[start:end].transpose(0, 1).unsqueeze(0)
-            out[start:end] = self._attend_chunk(q, k, v, cached[i])
+            out[start:end] = self._chunk_after_context(query, kv_cache, meta, i)
         return out
+
+    def _chunk_after_context(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, i: int
+    ) -> torch.Tensor:
+        """Sequence i's chunk over its cached context and itself. The chunk's own keys are in the
+        cache already: read them with the context (released blocks read as block 0 and fall outside
+        the window mask)."""
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        total = meta.num_cached_tokens[i] + end - start
+        table = meta.block_tables[i : i + 1]
+        k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
+        v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        return self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
 
     def _attend_mixed_cpu(
         self,
@@ -256,13 +272,14 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """The C++ chunked kernel for decodes and chunks after a cached context; prompts with nothing
-        cached go to torch's fused causal SDPA on this step's own keys and values instead (its
-        flash kernel multiplies bfloat16 natively: ~5x our kernel for a 448-token bfloat16 prompt,
-        ~2x in float32). None when the kernel is unavailable."""
+        """The C++ chunked kernel for decodes and short chunks after a cached context; prompt chunks
+        ``sdpa_split`` picks go to torch's fused SDPA instead (its flash kernel multiplies bfloat16
+        natively: ~5x our kernel for a 448-token bfloat16 prompt, ~2x in float32; a 192-token chunk
+        after 256 cached tokens, masked, ~1 ms per layer with its context gathered). None when the
+        kernel is unavailable."""
         window = self.sliding_window
-        fresh, rest = ((), ()) if self.logits_soft_cap is not None else meta.fresh_split(window)
-        if not fresh:
+        sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(window)
+        if not sdpa:
             return paged_chunked_attention(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
                 self.scale, window or 0, self.logits_soft_cap or 0.0,
@@ -277,9 +294,13 @@ class PagedAttention(nn.Module):
             if attended is None:
                 return None
             out[part.decode_rows] = attended
-        starts = meta.query_start_loc
-        for i in fresh:
-            out[starts[i] : starts[i + 1]] = self._causal(query, key, value, starts[i], starts[i + 1])
+        starts, cached = meta.query_start_loc, meta.num_cached_tokens
+        for i in sdpa:
+            start, end = starts[i], starts[i + 1]
+            if cached[i] == 0:
+                out[start:end] = self._causal(query, key, value, start, end)
+            else:
+                out[start:end] = self._chunk_after_context(query, kv_cache, meta, i)
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
