@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight, cpu_gemm_path
+from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
 
 # (name, in_features, out_features) of one decoder layer of the default model (SmolLM-135M shape).
 LAYER_SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
@@ -31,23 +31,15 @@ def build_paths(dtype: torch.dtype, layers: int) -> dict[str, list[Callable[[dic
         "F.linear": [(lambda xs, w=w, k=k: torch.nn.functional.linear(xs[k], w))
                      for layer in weights for w, (_, k, _) in zip(layer, LAYER_SHAPES, strict=True)]
     }
-    onednn_dtype = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if torch.backends.mkldnn.is_available() and onednn_dtype:
+    if onednn_supported(dtype):
         packed = [OneDNNWeight(w) for layer in weights for w in layer]
         paths["oneDNN"] = [(lambda xs, p=p, k=k: p.linear(xs[k], None))
                            for p, (_, k, _) in zip(packed, LAYER_SHAPES * layers, strict=True)]
-    if cpu_gemm_path(torch.device("cpu"), dtype) is not None and _panels_available(dtype):
+    if panels_supported(dtype):
         panels = [PanelWeight(w) for layer in weights for w in layer]
         paths["panels"] = [(lambda xs, p=p, k=k: p.linear(xs[k], None))
                            for p, (_, k, _) in zip(panels, LAYER_SHAPES * layers, strict=True)]
     return paths
-
-
-def _panels_available(dtype: torch.dtype) -> bool:
-    from pagedllm.attention.cpu_kernels import load_cpu_kernels
-
-    kernels = load_cpu_kernels()
-    return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
 
 
 def main() -> None:

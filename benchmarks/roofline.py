@@ -86,15 +86,12 @@ def ideal_schedule(requests: list[tuple[int, int]], prefill_rows: int,
 
 def _gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
     """name -> (weight -> (x -> x @ weight.T)); each path prepares its weight once, as an engine would."""
-    from pagedllm.attention.cpu_kernels import load_cpu_kernels
-    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight
+    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
 
     paths = {"F.linear": lambda w: (lambda x: torch.nn.functional.linear(x, w))}
-    onednn_dtype = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if torch.backends.mkldnn.is_available() and onednn_dtype:
+    if onednn_supported(dtype):
         paths["oneDNN"] = lambda w: (lambda x, packed=OneDNNWeight(w): packed.linear(x, None))
-    kernels = load_cpu_kernels()
-    if kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype)):
+    if panels_supported(dtype):
         paths["panels"] = lambda w: (lambda x, packed=PanelWeight(w): packed.linear(x, None))
     return paths
 

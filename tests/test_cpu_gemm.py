@@ -17,14 +17,10 @@ from pagedllm.models.cpu_gemm import (
     cpu_gemm_path,
     dense,
     pack_linears,
+    panels_supported,
 )
 
 ONEDNN = torch.backends.mkldnn.is_available()
-
-
-def panels_supported(dtype: torch.dtype) -> bool:
-    kernels = load_cpu_kernels()
-    return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")

@@ -12,8 +12,9 @@ sequence and to itself. The step's keys and values are written into the cache fi
 chunk reads its own tokens and its earlier context alike, through the block table.
 
 On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: the decode
-kernel for all-decode steps, the chunked kernel for mixed ones, except prompts with nothing
-cached, which attend over the step's own keys and values through torch's fused causal SDPA.
+kernel for all-decode steps, the chunked kernel for mixed ones, except prompt chunks torch's
+fused SDPA serves better: prompts with nothing cached (over the step's own keys and values) and
+chunks of ``SDPA_MIN_CHUNK`` tokens or more after a cached context (over it, gathered).
 Elsewhere, or when the kernels are unavailable, the torch-native path (the reference) gathers
 the blocks into a temporary tensor for that step only. Nothing contiguous is kept between steps.
 
@@ -92,7 +93,8 @@ class AttentionMetadata:
                 i for i, (n, c) in enumerate(zip(self.query_lens, self.num_cached_tokens))
                 if n > 1 and (c == 0 or n >= SDPA_MIN_CHUNK) and (window is None or window >= n + c)
             )
-            rest = tuple(i for i in range(self.num_seqs) if i not in sdpa)
+            chosen = set(sdpa)
+            rest = tuple(i for i in range(self.num_seqs) if i not in chosen)
             split = self._sdpa_splits[window] = (sdpa, rest)
         return split
 
@@ -239,30 +241,35 @@ class PagedAttention(nn.Module):
         decode = meta.decode_part
         if decode is not None:
             out[decode.decode_rows] = self._decode(query[decode.decode_rows], kv_cache, decode)
-        starts, cached = meta.query_start_loc, meta.num_cached_tokens
         for i, num_new in enumerate(meta.query_lens):
-            if num_new == 1:
-                continue
-            start, end = starts[i], starts[i + 1]
-            if cached[i] == 0:
-                out[start:end] = self._causal(query, key, value, start, end)
-                continue
-            out[start:end] = self._chunk_after_context(query, kv_cache, meta, i)
+            if num_new > 1:
+                self._attend_prompt_chunk(query, key, value, kv_cache, meta, i, out)
         return out
 
-    def _chunk_after_context(
-        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, i: int
-    ) -> torch.Tensor:
-        """Sequence i's chunk over its cached context and itself. The chunk's own keys are in the
-        cache already: read them with the context (released blocks read as block 0 and fall outside
-        the window mask)."""
+    def _attend_prompt_chunk(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        i: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Sequence i's prompt chunk through torch's SDPA, into its rows of ``out``: over the step's
+        own keys and values when nothing is cached, else over its context and itself read from the
+        cache (the chunk's own keys are there already; released blocks read as block 0 and fall
+        outside the window mask)."""
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if meta.num_cached_tokens[i] == 0:
+            out[start:end] = self._causal(query, key, value, start, end)
+            return
         total = meta.num_cached_tokens[i] + end - start
         table = meta.block_tables[i : i + 1]
         k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
         v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        return self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
+        out[start:end] = self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
 
     def _attend_mixed_cpu(
         self,
@@ -294,13 +301,8 @@ class PagedAttention(nn.Module):
             if attended is None:
                 return None
             out[part.decode_rows] = attended
-        starts, cached = meta.query_start_loc, meta.num_cached_tokens
         for i in sdpa:
-            start, end = starts[i], starts[i + 1]
-            if cached[i] == 0:
-                out[start:end] = self._causal(query, key, value, start, end)
-            else:
-                out[start:end] = self._chunk_after_context(query, kv_cache, meta, i)
+            self._attend_prompt_chunk(query, key, value, kv_cache, meta, i, out)
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -126,24 +126,28 @@ def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
         raise ValueError(f"PAGEDLLM_CPU_GEMM={choice!r}: expected one of {', '.join(GEMM_CHOICES)}")
     if device.type != "cpu" or choice == "torch" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if choice in ("auto", "panels") and _panels_supported(dtype):
+    if choice in ("auto", "panels") and panels_supported(dtype):
         # bfloat16 without AMX multiplies through vdpbf16ps, slower than oneDNN past a few rows
         if choice == "panels" or dtype == torch.float32 or torch.cpu._is_amx_tile_supported():
             return "panels"
-    if not torch.backends.mkldnn.is_available():
-        return None
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    return "onednn"
+    return "onednn" if onednn_supported(dtype) else None
 
 
 def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return cpu_gemm_path(device, dtype) is not None
 
 
-def _panels_supported(dtype: torch.dtype) -> bool:
+def panels_supported(dtype: torch.dtype) -> bool:
+    """Whether our panel kernel multiplies this dtype on this CPU."""
     kernels = load_cpu_kernels()
     return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
+
+
+def onednn_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's reordered-weight path takes this dtype on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -46,6 +46,15 @@ constexpr int kTile = 12;       // rows per register tile: 24 accumulators
 
 #if defined(__AVX512F__)
 
+// A register tile's sums, ROWS x 32, into out[ROWS][32].
+template <int ROWS>
+inline void store_sums(const __m512 (&acc)[ROWS][2], float* __restrict__ out) {
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_storeu_ps(out + m * kPanel, acc[m][0]);
+    _mm512_storeu_ps(out + m * kPanel + 16, acc[m][1]);
+  }
+}
+
 // Rows [0, ROWS) of x against one float32 panel: the 32 sums of each row into out[ROWS][32].
 template <int ROWS>
 inline void tile_f32(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel, int64_t k_dim,
@@ -61,10 +70,7 @@ inline void tile_f32(const float* __restrict__ x, int64_t ldx, const float* __re
       acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);
     }
   }
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(out + m * kPanel, acc[m][0]);
-    _mm512_storeu_ps(out + m * kPanel + 16, acc[m][1]);
-  }
+  store_sums<ROWS>(acc, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -93,10 +99,7 @@ inline void tile_bf16(const uint16_t* __restrict__ x, int64_t ldx, const uint16_
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, (__m512bh)_mm512_loadu_si512(w + 32));
     }
   }
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(out + m * kPanel, acc[m][0]);
-    _mm512_storeu_ps(out + m * kPanel + 16, acc[m][1]);
-  }
+  store_sums<ROWS>(acc, out);
 }
 #endif
 
