@@ -160,3 +160,29 @@ def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):
 def test_cpu_kernel_builds_here():
     # The fused kernel is the CPU fast path; on this machine it must build, not silently fall back.
     assert load_cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_kernel_matches_index_copy(dtype):
+    """The one-call CPU scatter of keys and values: index_copy_'s result, from rows of a fused qkv
+    output (strided tokens), from non-contiguous heads, and a clear error for a slot past the cache."""
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    from pagedllm.attention import write_to_cache
+
+    gen = torch.Generator().manual_seed(0)
+    blocks, block_size, heads, dim, tokens = 6, 4, 3, 8, 5
+    k_cache = torch.randn(blocks, block_size, heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block_size, heads, dim, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, 4 * heads * dim, generator=gen).to(dtype)
+    key = qkv[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    value = torch.randn(tokens, dim, heads, generator=gen).to(dtype).transpose(1, 2)  # heads not contiguous
+    slots = torch.tensor([3, 17, 0, 23, 9])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, heads, dim).index_copy_(0, slots, key)
+    expected_v.view(-1, heads, dim).index_copy_(0, slots, value)
+    write_to_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_to_cache(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, blocks * block_size]))
+

@@ -398,3 +398,45 @@ def test_greedy_kernel_matches_torch() -> None:
     expected = torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
     assert greedy_pick(logits.double()) is None  # other dtypes take the torch path
+
+
+def test_greedy_kernel_reads_bfloat16_logits() -> None:
+    """bfloat16 logits, read as they are: the ids and logprobs of the same values widened to float32."""
+    from pagedllm.attention.cpu_kernels import greedy_pick, load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, 3001, generator=gen) * 4).bfloat16()
+    logits[2, [7, 2999]] = 50.0  # a tie, the second one in the tail past the last 16-wide chunk
+    logits[4, 3000] = 60.0  # the maximum in that tail
+    ids, logprobs = greedy_pick(logits)
+    wide = logits.float()
+    assert torch.equal(ids, wide.argmax(dim=-1))
+    assert logprobs.dtype == torch.float32
+    expected = torch.log_softmax(wide, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_takes_bfloat16_logits() -> None:
+    """Logits in the model's dtype: plain greedy, random and logprob rows give what float32 logits give."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 50, generator=gen) * 3).bfloat16()
+    sampler = Sampler(EOS, 50)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+    random_row = SamplingParams(temperature=0.8, max_tokens=4)
+    rows = [row(greedy), row(with_logprobs), row(random_row)]
+    ours = sampler(logits, rows, torch.Generator().manual_seed(0))
+    wide = sampler(logits.float(), rows, torch.Generator().manual_seed(0))
+    assert ours.token_ids == wide.token_ids
+    assert ours.token_ids[:2] == logits.float().argmax(dim=-1).tolist()[:2]
+    assert ours.logprobs == pytest.approx(wide.logprobs, abs=1e-5)
+    assert ours.top_logprobs == wide.top_logprobs
+    plain = sampler(logits, [row(greedy) for _ in range(3)])  # all plain greedy: the fused kernel's path
+    assert plain.token_ids == logits.float().argmax(dim=-1).tolist()
+    expected = torch.log_softmax(logits.float(), dim=-1).max(dim=-1).values.tolist()
+    assert plain.logprobs == pytest.approx(expected, abs=1e-5)
+    full = sampler(logits, rows, torch.Generator().manual_seed(0), return_full_logprobs=True).full_logprobs
+    assert full.dtype == torch.float32
+

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import paged_chunked_attention, paged_decode_attention
+from pagedllm.attention.cpu_kernels import load_cpu_kernels, paged_chunked_attention, paged_decode_attention
 
 # On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
 # SDPA over their gathered context rather than our chunked kernel (which stays for decodes and
@@ -126,6 +126,9 @@ def write_to_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter this step's keys/values ([T, Hkv, D]) into their slots."""
+    if key.device.type == "cpu" and (kernels := load_cpu_kernels()) is not None:
+        kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

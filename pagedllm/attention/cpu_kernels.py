@@ -27,6 +27,7 @@ _SOURCES = [
     for name in (
         "paged_attention_cpu.cpp",
         "chunked_attention_cpu.cpp",
+        "kv_cache_cpu.cpp",
         "greedy_cpu.cpp",
         "token_mask_cpu.cpp",
         "quant_linear_cpu.cpp",
@@ -154,8 +155,9 @@ def paged_chunked_attention(
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row of float32 ``[N, V]`` logits: (argmax ids, their raw logprobs), or None (no kernel)."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[1] == 0:
+    """Per row of float32 or bfloat16 ``[N, V]`` logits: (argmax ids, their raw logprobs as float32),
+    or None (no kernel)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.shape[1] == 0:
         return None
     module = load_cpu_kernels()
     if module is None:

@@ -60,11 +60,12 @@ class CausalLM(nn.Module):
         return self.embedding() if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab]; under tensor parallelism only rank 0 gets them (None elsewhere)."""
+        """Logits [N, vocab] in the model's dtype (soft-capped ones in float32); under tensor
+        parallelism only rank 0 gets them (None elsewhere)."""
         logits = lm_logits(hidden, self.logits_head())
         cap = self.final_logit_softcapping
         if logits is not None and cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -97,7 +97,7 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given.")
         if not rows:
-            empty = logits.new_empty((0, self.vocab_size)) if return_full_logprobs else None
+            empty = logits.new_empty((0, self.vocab_size), dtype=torch.float32) if return_full_logprobs else None
             return SamplerOutput([], [], [], empty)
         return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
         try:
@@ -145,8 +145,9 @@ class Sampler:
         generator: torch.Generator | None,
         return_full_logprobs: bool,
     ) -> SamplerOutput:
-        # Some models pad the vocabulary; padded columns are never sampled.
-        logits = logits[:, : self.vocab_size].float()
+        # Some models pad the vocabulary; padded columns are never sampled. Logits come in the
+        # model's dtype; everything but the fused greedy kernel works on them in float32.
+        logits = logits[:, : self.vocab_size]
         bitmasks = [row.token_bitmask for row in rows]
         constrained = any(mask is not None for mask in bitmasks)
 
@@ -163,8 +164,11 @@ class Sampler:
         # Plain greedy needs only each row's argmax and its logprob: one fused pass where our CPU
         # kernel is built, not a [N, V] log_softmax; under grammars, a pass over the allowed tokens only.
         picked = None
-        if plain_greedy and not return_full_logprobs and not wants_top:
-            picked = greedy_pick_masked(logits, bitmasks) if constrained else greedy_pick(logits)
+        if plain_greedy and not return_full_logprobs and not wants_top and not constrained:
+            picked = greedy_pick(logits)
+        logits = logits.float()
+        if picked is None and plain_greedy and not return_full_logprobs and not wants_top and constrained:
+            picked = greedy_pick_masked(logits, bitmasks)
         raw_logprobs = None
         if picked is not None:
             token_ids, chosen_logprobs = picked

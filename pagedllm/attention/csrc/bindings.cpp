@@ -21,6 +21,8 @@ torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k)
 torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, torch::Tensor rows);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
                           c10::optional<torch::Tensor> bias);
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool gemma);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool gemma);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -36,7 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("paged_chunked_attention", &paged_chunked_attention,
         "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)");
-  m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32)");
+  m.def("write_kv_cache", &write_kv_cache, "This step's keys and values into their cache slots (CPU)");
+  m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32 or bfloat16)");
   m.def("apply_token_bitmask", &apply_token_bitmask_cpu, "Forbid the tokens a grammar bitmask leaves out (CPU)");
   m.def("dequantize_rows", &dequantize_rows, "Packed weight rows (all, or the given ones) as float32 (CPU)");
   m.def("quant_linear", &quant_linear, "x @ W^T + bias over a packed weight, activations float32 (CPU)");

@@ -1,0 +1,63 @@
+// This step's keys and values into their slots of the paged KV cache, both in one call.
+//
+// torch's index_copy_ does the same scatter, but as two dispatches per layer whose fixed cost
+// (~6 us each here) is larger than the copy itself at decode sizes (a few hundred bytes per token).
+// A token's heads are one contiguous run in the step's tensors (rows of the fused qkv output) and in
+// the cache, so each token is two memcpy calls whatever the dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+void check_states(const torch::Tensor& states, const torch::Tensor& cache, const char* name) {
+  TORCH_CHECK(states.device().is_cpu() && cache.device().is_cpu(), name, " and its cache must be CPU tensors");
+  TORCH_CHECK(states.dim() == 3, name, " must be [tokens, kv_heads, head_dim], got ", states.sizes());
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name,
+              " cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(states.size(1) == cache.size(2) && states.size(2) == cache.size(3), name, " ", states.sizes(),
+              " does not match its cache ", cache.sizes());
+  TORCH_CHECK(states.scalar_type() == cache.scalar_type(), name, " must have its cache's dtype");
+}
+
+// Rows of the fused qkv output already have each token's heads side by side; anything else is
+// copied into that layout first.
+torch::Tensor heads_contiguous(const torch::Tensor& states) {
+  return states.stride(2) == 1 && states.stride(1) == states.size(2) ? states : states.contiguous();
+}
+
+}  // namespace
+
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  check_states(key, k_cache, "key");
+  check_states(value, v_cache, "value");
+  key = heads_contiguous(key);
+  value = heads_contiguous(value);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "the key and value caches must have one shape");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 vector");
+  const int64_t tokens = key.size(0);
+  TORCH_CHECK(value.size(0) == tokens && slot_mapping.size(0) == tokens, "key, value and slot_mapping must have ",
+              "one entry per token");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
+  }
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  // A prompt's rows are worth two threads only in the thousands.
+  at::parallel_for(0, tokens, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+    }
+  });
+}
