@@ -163,11 +163,10 @@ class Sampler:
                         and not needs_bias)
         # Plain greedy needs only each row's argmax and its logprob: one fused pass where our CPU
         # kernel is built, not a [N, V] log_softmax; under grammars, a pass over the allowed tokens only.
-        picked = None
-        if plain_greedy and not return_full_logprobs and not wants_top and not constrained:
-            picked = greedy_pick(logits)
+        fused_greedy = plain_greedy and not return_full_logprobs and not wants_top
+        picked = greedy_pick(logits) if fused_greedy and not constrained else None  # reads bfloat16 as is
         logits = logits.float()
-        if picked is None and plain_greedy and not return_full_logprobs and not wants_top and constrained:
+        if fused_greedy and constrained:
             picked = greedy_pick_masked(logits, bitmasks)
         raw_logprobs = None
         if picked is not None:
