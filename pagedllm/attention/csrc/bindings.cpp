@@ -34,20 +34,26 @@ torch::Tensor dense_pack_weight(torch::Tensor weight);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
                            int64_t k_dim, bool silu_and_mul);
 
+// The kernels that run for a while release the GIL: in the server the engine steps on a thread of
+// its own, and the event loop (HTTP, streaming) must not wait for a GEMM to reach its next bytecode.
+using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
   m.def("paged_chunked_attention", &paged_chunked_attention,
-        "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)");
+        "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)", ReleaseGil());
   m.def("write_kv_cache", &write_kv_cache, "This step's keys and values into their cache slots (CPU)");
-  m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32 or bfloat16)");
+  m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32 or bfloat16)",
+        ReleaseGil());
   m.def("apply_token_bitmask", &apply_token_bitmask_cpu, "Forbid the tokens a grammar bitmask leaves out (CPU)");
   m.def("dequantize_rows", &dequantize_rows, "Packed weight rows (all, or the given ones) as float32 (CPU)");
-  m.def("quant_linear", &quant_linear, "x @ W^T + bias over a packed weight, activations float32 (CPU)");
+  m.def("quant_linear", &quant_linear, "x @ W^T + bias over a packed weight, activations float32 (CPU)",
+        ReleaseGil());
   m.def("int8_dot_isa", &int8_dot_isa, "The integer dot product the int8 kernels were built with");
   m.def("int8_tiling_supported", &int8_tiling_supported, "Whether a packed format can be int8-tiled here");
   m.def("int8_tile_weight", &int8_tile_weight, "A packed weight re-tiled for int8 dot products (CPU)");
   m.def("int8_tiled_rows", &int8_tiled_rows, "Rows of an int8-tiled weight as float32 (CPU)");
-  m.def("int8_linear", &int8_linear, "int8(x) @ W^T + bias over an int8-tiled weight (CPU)");
+  m.def("int8_linear", &int8_linear, "int8(x) @ W^T + bias over an int8-tiled weight (CPU)", ReleaseGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into a new tensor (gemma: scale by 1 + weight) (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual += x, then x = RMSNorm(residual) (gemma: scale by 1 + weight) (CPU)");
@@ -59,5 +65,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_gemm_supported", &dense_gemm_supported, "Whether weights of this dtype can be panel-packed here");
   m.def("dense_pack_weight", &dense_pack_weight, "An [N, K] float32 / bfloat16 weight packed in column panels (CPU)");
   m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs; silu_and_mul: a gated weight (each "
-        "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)");
+        "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)", ReleaseGil());
 }
