@@ -72,6 +72,10 @@ class SchedulerConfig:
     # One token budget per step shared by decodes and prompt chunks (a prompt may span steps).
     # Off: a step is all prefill (whole prompts) or all decode, as in the paper and vLLM v0.2.
     enable_chunked_prefill: bool = True
+    # With chunking: the most prompt tokens one request computes in a step (0: the budget's
+    # rest). Several prompts then share a large budget, while a long one still advances a bounded
+    # chunk per step and so holds up the running streams for a bounded time.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -82,6 +86,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no limit), got {self.long_prefill_token_threshold}."
+            )
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(
                 f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}."
@@ -151,6 +159,7 @@ class EngineArgs:
     batching: str = "iteration"
     track_kv_waste: bool = False
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
 

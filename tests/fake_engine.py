@@ -161,6 +161,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = False,
     kv_allocation: str = "paged",
     batching: str = "iteration",
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -171,6 +172,7 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         kv_allocation=kv_allocation,
         batching=batching,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, num_gpu_blocks, num_cpu_blocks)

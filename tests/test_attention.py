@@ -148,6 +148,26 @@ def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype):
             _run(seed, "mixed", use_cpu_kernel=True, head_dim=head_dim, dtype=dtype)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window):
+    """bfloat16 prompts and chunks reach torch's CPU SDPA padded to a multiple of its block (its
+    tails are slow), and the padding changes nothing: padded keys unseen, padded queries dropped."""
+    import pagedllm.attention.backend as backend
+
+    monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    lengths = []
+    sdpa = backend.F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        lengths.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(backend.F, "scaled_dot_product_attention", recording_sdpa)
+    for seed in range(8):
+        _run(seed, "mixed", use_cpu_kernel=True, head_dim=64, window=window, dtype=torch.bfloat16)
+    assert lengths and all(q % backend.SDPA_CPU_BLOCK == 0 and k % backend.SDPA_CPU_BLOCK == 0 for q, k in lengths)
+
+
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
 @pytest.mark.parametrize("use_cpu_kernel", [False, True])
 def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):

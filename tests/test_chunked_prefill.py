@@ -66,6 +66,27 @@ def test_chunked_greedy_equals_transformers(llama_dir, prompts_and_expected, bud
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_several_capped_prompt_chunks_per_step_equal_transformers(llama_dir, prompts_and_expected, caching):
+    prompts, expected = prompts_and_expected
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64,
+              long_prefill_token_threshold=7, enable_prefix_caching=caching)
+    scheduler = llm.llm_engine.scheduler
+    chunks_per_step: list[list[int]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        chunks_per_step.append([n for n in out.num_scheduled_tokens.values() if n > 1])
+        return out
+
+    scheduler.schedule = recording_schedule
+    assert [ids[0] for ids in _generate(llm, prompts, GREEDY)] == expected
+    assert max(max(chunks, default=0) for chunks in chunks_per_step) == 7
+    assert max(len(chunks) for chunks in chunks_per_step) > 1  # prompts shared the budget
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_the_middle_of_a_chunked_prompt(llama_dir, prompts_and_expected, mode):
     prompts, expected = prompts_and_expected

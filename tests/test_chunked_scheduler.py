@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.sequence import SequenceStatus
 from tests.fake_engine import BS, FakeEngine, make_scheduler, outputs_of
 
@@ -118,6 +120,40 @@ def test_contiguous_policies_and_request_batching_with_chunks() -> None:
     assert results[0] == results[1] == results[2]
 
 
+def test_long_prefill_threshold_caps_each_prompt_and_shares_the_budget() -> None:
+    engine = chunked(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    a = engine.add("a", 20, max_tokens=2, arrival_time=1.0)
+    b = engine.add("b", 5, max_tokens=2, arrival_time=2.0)
+    c = engine.add("c", 30, max_tokens=2, arrival_time=3.0)
+    out = engine.step()
+    # Every waiting prompt is admitted at once, each with at most 8 of its tokens.
+    assert out.scheduled_seq_groups == [a, b, c]
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 8, b.seqs[0].seq_id: 5, c.seqs[0].seq_id: 8}
+    out = engine.step()
+    # b decodes first; the partial prompts continue in arrival order, 8 tokens each at most.
+    assert out.num_scheduled_tokens == {b.seqs[0].seq_id: 1, a.seqs[0].seq_id: 8, c.seqs[0].seq_id: 8}
+    engine.run()
+    assert all(len(g.seqs[0].output_token_ids) == 2 for g in (a, b, c))
+    assert all(out.num_batched_tokens <= 64 for out in engine.history)
+
+
+def test_long_prefill_threshold_below_a_groups_size_still_finishes_its_prompt() -> None:
+    # A preempted group of three samples recomputes its sequences one token per step; their last
+    # tokens are then computed together, as a decode.
+    engine = chunked(max_num_batched_tokens=16, long_prefill_token_threshold=1, num_gpu_blocks=16)
+    other = engine.add("other", 6, max_tokens=12, arrival_time=1.0)
+    group = engine.add("n3", 6, max_tokens=12, n=3, arrival_time=2.0)  # the newest: preempted first
+    engine.run()
+    assert group.num_preemptions >= 1
+    assert all(len(seq.output_token_ids) == 12 for seq in group.seqs) and len(group.seqs) == 3
+    assert len(other.seqs[0].output_token_ids) == 12
+
+
+def test_long_prefill_threshold_is_validated() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
 # ------------------------------------------------------------------------------ property test
 
 
@@ -134,8 +170,10 @@ def test_contiguous_policies_and_request_batching_with_chunks() -> None:
     num_cpu_blocks=st.integers(0, 24),
     mode=st.sampled_from(["recompute", "swap", "auto"]),
     caching=st.booleans(),
+    threshold=st.sampled_from([0, 0, 1, 4, 9]),
 )
-def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks, num_cpu_blocks, mode, caching):
+def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks, num_cpu_blocks, mode, caching,
+                                                   threshold):
     """Random arrivals, lengths and budgets: no step exceeds the budget or the pool, every request
     finishes with the outputs of an unconstrained run, no block leaks, and among prompts of equal
     length the first tokens come in arrival order."""
@@ -158,12 +196,17 @@ def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks
         return engine
 
     engine = run(chunked(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=8,
-                         max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=caching))
+                         max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=caching,
+                         long_prefill_token_threshold=threshold))
     reference = run(chunked(num_gpu_blocks=4000, max_num_seqs=64, max_num_batched_tokens=4096))
     assert not engine.ignored and set(engine.finished) == {f"r{i}" for i in range(len(requests))}
     assert outputs_of(engine) == outputs_of(reference)
     for out in engine.history:
         assert out.num_batched_tokens <= budget
+        if threshold:  # no group computes more than the threshold (or, decoding, one token per sequence)
+            for group in out.scheduled_seq_groups:
+                tokens = [out.num_scheduled_tokens.get(seq.seq_id, 0) for seq in group.seqs]
+                assert sum(tokens) <= max(threshold, sum(1 for t in tokens if t))
     # FCFS: equal prompt lengths, arrival order (= the order of ids within an arrival step).
     order = sorted(range(len(requests)), key=lambda i: (requests[i][0], i))
     for a_pos, a in enumerate(order):

@@ -353,12 +353,18 @@ class Scheduler:
     def _prompt_chunks(self, group: SequenceGroup, outputs: SchedulerOutputs) -> list[tuple[Sequence, int]]:
         """Tokens each running sequence of the group computes this step, within the budget left.
 
-        All of what is left when it fits; otherwise as much as fits with every sequence stopping
-        short of its last token, so that the group's sequences finish their prompts (and sample
-        their first tokens) in the same step.
+        All of what is left when it fits (within ``long_prefill_token_threshold`` per group, when
+        set); otherwise as much as fits with every sequence stopping short of its last token, so
+        that the group's sequences finish their prompts (and sample their first tokens) in the
+        same step.
         """
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         left = self._budget_left(outputs)
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            # Progress even below one token per sequence: a sequence with one token left waits,
+            # and a group with one left in each is decoding (its tokens are not a prompt chunk).
+            left = min(left, threshold)
         remaining = [seq.get_num_uncomputed_tokens() for seq in seqs]
         if sum(remaining) <= left:
             return list(zip(seqs, remaining))

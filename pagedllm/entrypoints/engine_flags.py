@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="Share each step's token budget between decodes and prompt chunks (off: a step is all "
                        "prefill or all decode, as in the paper).")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="With chunked prefill: the most prompt tokens one request computes in a step "
+                       "(0: no limit but the step budget).")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
     group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
@@ -78,6 +81,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         device=args.device,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
         kv_allocation=args.kv_allocation,
         batching=args.batching,

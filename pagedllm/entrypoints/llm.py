@@ -50,6 +50,7 @@ class LLM:
         batching: str = "iteration",
         track_kv_waste: bool = False,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -77,6 +78,7 @@ class LLM:
             batching=batching,
             track_kv_waste=track_kv_waste,
             enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 

@@ -43,6 +43,21 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // output features per panel: two registers of 16
 constexpr int kTile = 12;       // rows per register tile: 24 accumulators
+#ifndef PAGEDLLM_ROW_BLOCK_BYTES
+#define PAGEDLLM_ROW_BLOCK_BYTES (64 * 1024)
+#endif
+
+// Rows of x are taken in blocks of about kRowBlockBytes, each block against all of a thread's
+// panels: the block stays in the core's near caches while the panels stream past. Over all rows
+// at once, a prompt's x (1,000 rows at K = 1536 is 3 MB in bfloat16) was re-read from memory for
+// every panel; on a 2-core AMX machine, blocks of 64 KB made 256-2,048-row products 20-30% faster
+// and did not slow 64 rows.
+constexpr int64_t kRowBlockBytes = PAGEDLLM_ROW_BLOCK_BYTES;
+
+// Rows per block for rows of row_bytes: a multiple of `unit` (the micro-kernel's rows), at least one.
+inline int64_t row_block_rows(int64_t row_bytes, int64_t unit) {
+  return std::max<int64_t>(unit, kRowBlockBytes / row_bytes / unit * unit);
+}
 
 #if defined(__AVX512F__)
 
@@ -294,18 +309,25 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
   const int rest_tiles = rest == 0 ? 0 : (rest <= 16 ? 1 : 2);
   std::vector<uint16_t> tail(rest_tiles * 16 * k_dim, 0);
   for (int64_t r = 0; r < rest; ++r) std::memcpy(tail.data() + r * k_dim, x + (full_rows + r) * ldx, k_dim * 2);
+  const int64_t row_block = row_block_rows(k_dim * 2, 32);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
     configure_tiles();
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const uint16_t* panel = packed + p * panel_stride;
-      for (int64_t m = 0; m < full_rows; m += 32) {
-        amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums);
-        for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
+    for (int64_t m0 = 0; m0 < full_rows; m0 += row_block) {
+      const int64_t m1 = std::min(full_rows, m0 + row_block);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const uint16_t* panel = packed + p * panel_stride;
+        for (int64_t m = m0; m < m1; m += 32) {
+          amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums);
+          for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
+        }
       }
+    }
+    for (int64_t p = p_begin; p < p_end && rest_tiles > 0; ++p) {
+      const uint16_t* panel = packed + p * panel_stride;
       if (rest_tiles == 1) {
         amx_block<1>(tail.data(), k_dim, panel, k_dim, sums);
-      } else if (rest_tiles == 2) {
+      } else {
         amx_block<2>(tail.data(), k_dim, panel, k_dim, sums);
       }
       for (int64_t r = 0; r < rest; ++r) write(sums + r * kPanel, full_rows + r, p);
@@ -325,14 +347,18 @@ void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const type
 #endif
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<T>::stride(k_dim);
+  const int64_t row_block = row_block_rows(k_dim * sizeof(typename Panel<T>::raw), kTile);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[kTile * kPanel];
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const auto* panel = packed + p * panel_stride;
-      for (int64_t m = 0; m < rows; m += kTile) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTile, rows - m));
-        tile_rows<T>(tile, x + m * ldx, ldx, panel, k_dim, sums);
-        for (int r = 0; r < tile; ++r) write(sums + r * kPanel, m + r, p);
+    for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
+      const int64_t m1 = std::min(rows, m0 + row_block);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const auto* panel = packed + p * panel_stride;
+        for (int64_t m = m0; m < m1; m += kTile) {
+          const int tile = static_cast<int>(std::min<int64_t>(kTile, m1 - m));
+          tile_rows<T>(tile, x + m * ldx, ldx, panel, k_dim, sums);
+          for (int r = 0; r < tile; ++r) write(sums + r * kPanel, m + r, p);
+        }
       }
     }
   });
