@@ -597,3 +597,36 @@ def test_sigterm_stops_cleanly_with_streams_in_flight(model_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_tokenizing_runs_beside_a_step_not_behind_it(model_dir):
+    """Prompt tokenization (here /tokenize's) runs on the server's tokenizer thread while the engine
+    is in a step: on the engine thread it waited for that step to end."""
+    app = build_app(engine_args(model_dir), served_model_name=MODEL)
+    engine = app.state.async_engine.engine
+    step = engine.step
+    in_step, release = threading.Event(), threading.Event()
+
+    def held_step():
+        in_step.set()
+        release.wait(30)
+        return step()
+
+    engine.step = held_step
+    with serving(app) as running:
+        def complete() -> None:
+            with httpx.Client(base_url=running.url, timeout=60) as other:
+                other.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 3})
+
+        busy = threading.Thread(target=complete)
+        busy.start()
+        try:
+            assert in_step.wait(30)
+            started = time.time()
+            response = running.http.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
+            assert response.status_code == 200 and response.json()["count"] > 0
+            assert time.time() - started < 10 and not release.is_set()
+        finally:
+            release.set()
+            busy.join(60)
+        wait_idle(running.http)

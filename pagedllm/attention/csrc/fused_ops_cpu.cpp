@@ -77,11 +77,7 @@ typename Elem<T>::raw* raw_ptr(const torch::Tensor& t) {
 // The same element access 16 values at a time, for loops the vectoriser left scalar or peeled
 // badly at these widths (a 32-wide rotary half, a 576-wide norm row): bfloat16 widens by a shift
 // and narrows with round-to-nearest-even, NaN kept a NaN, bit for bit as Elem does.
-inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 vload(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using pagedllm::load16;
 inline __m256i narrow_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   // One instruction, the same rounding (a NaN stays a quiet NaN, keeping its sign and top payload
@@ -129,8 +125,8 @@ inline void scale_row(const typename Elem<T>::raw* __restrict__ row, const typen
 #if defined(__AVX512F__)
   const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
   for (; i + kVec <= n; i += kVec) {
-    const __m512 x = _mm512_mul_ps(vload(row + i), vinv);
-    vstore(out + i, gemma ? _mm512_mul_ps(x, _mm512_add_ps(one, vload(w + i))) : _mm512_mul_ps(vload(w + i), vround(x, row)));
+    const __m512 x = _mm512_mul_ps(load16(row + i), vinv);
+    vstore(out + i, gemma ? _mm512_mul_ps(x, _mm512_add_ps(one, load16(w + i))) : _mm512_mul_ps(load16(w + i), vround(x, row)));
   }
 #endif
   if (gemma) {
@@ -148,7 +144,7 @@ inline float sum_of_squares(const typename Elem<T>::raw* __restrict__ row, int64
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   for (; i + kVec <= n; i += kVec) {
-    const __m512 v = vload(row + i);
+    const __m512 v = load16(row + i);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   sum = _mm512_reduce_add_ps(acc);
@@ -194,7 +190,7 @@ void fused_add_rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const 
 #if defined(__AVX512F__)
       __m512 acc = _mm512_setzero_ps();
       for (; i + kVec <= n; i += kVec) {
-        const __m512 v = vround(_mm512_add_ps(vload(xr + i), vload(rr + i)), rr);
+        const __m512 v = vround(_mm512_add_ps(load16(xr + i), load16(rr + i)), rr);
         vstore(rr + i, v);  // exact: v is already a value of the element type
         acc = _mm512_fmadd_ps(v, v, acc);
       }
@@ -251,7 +247,7 @@ void act_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
 #if defined(__AVX512F__)
       if constexpr (A == Act::silu) {
         for (; i + kVec <= width; i += kVec)
-          vstore(o + i, _mm512_mul_ps(vround(pagedllm::silu16(vload(gate + i)), gate), vload(up + i)));
+          vstore(o + i, _mm512_mul_ps(vround(pagedllm::silu16(load16(gate + i)), gate), load16(up + i)));
       }
 #endif
 #pragma omp simd
@@ -295,7 +291,7 @@ void rotary_kernel(torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
         int64_t i = 0;
 #if defined(__AVX512F__)
         for (; i + kVec <= half; i += kVec) {
-          const __m512 a = vload(x1 + i), b = vload(x2 + i), cv = vload(c + i), sv = vload(s + i);
+          const __m512 a = load16(x1 + i), b = load16(x2 + i), cv = load16(c + i), sv = load16(s + i);
           vstore(x1 + i, _mm512_sub_ps(vround(_mm512_mul_ps(a, cv), x1), vround(_mm512_mul_ps(b, sv), x1)));
           vstore(x2 + i, _mm512_add_ps(vround(_mm512_mul_ps(b, cv), x1), vround(_mm512_mul_ps(a, sv), x1)));
         }

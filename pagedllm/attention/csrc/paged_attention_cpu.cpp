@@ -20,6 +20,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -50,12 +52,9 @@ inline void group_axpys(const float* __restrict__ p, const scalar_t* __restrict_
 }
 
 #if defined(__AVX512F__)
-// 16 elements of a row as float32: bfloat16 widens by a 16-bit shift (its bits are float32's top half).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+// 16 elements of a row as float32.
+using pagedllm::load16;
+inline __m512 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
 
 // float32 / bfloat16 rows of 32 / 64 / 128: the row is loaded into registers once for the whole group
 // and each dot product is a chain of FMAs with one horizontal sum (the compiler's simd reduction

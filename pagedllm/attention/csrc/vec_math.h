@@ -4,7 +4,17 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace pagedllm {
+
+// 16 values as float32: float32 as they are, bfloat16 widened by a 16-bit shift (its bits are
+// float32's top half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 // exp(y) for 16 values: 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
 // (relative error ~2e-7, about one float32 ulp, as libm's), 2^n applied by scalef (which

@@ -35,7 +35,7 @@ from pagedllm.entrypoints.openai.guard import GuardMiddleware
 from pagedllm.entrypoints.openai.http_limits import PortInUseError, bind_socket, is_serving_rank, server_config
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.router import router
-from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request
+from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, server_tokenizer
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.settings import ServerSettings
@@ -126,7 +126,7 @@ def build_app(
         max_model_len=int(model_config.max_model_len),
         max_num_seqs=int(engine.scheduler_config.max_num_seqs),
         vocab_size=int(model_config.hf_config.vocab_size),
-        tokenizer=engine.tokenizer,
+        tokenizer=server_tokenizer(engine.tokenizer),
         max_prompts_per_request=max_prompts_per_request,
         structured=getattr(engine, "structured_outputs", None),
     )
@@ -138,6 +138,7 @@ def build_app(
             yield
         finally:
             await async_engine.shutdown()
+            ctx.close()
 
     app = FastAPI(
         title="pagedllm OpenAI-compatible API", version=pagedllm.__version__, lifespan=lifespan,

@@ -90,7 +90,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONRespon
         return chats.render(request)[1]
 
     try:
-        token_ids = await ctx.async_engine.run_in_engine_thread(encode)
+        token_ids = await ctx.run_in_tokenizer_thread(encode)
     except ValueError as exc:  # the chat renderer's messages say what to change
         raise bad_request(str(exc), "messages") from exc
     body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids)
@@ -104,7 +104,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
     bad = [t for t in request.tokens if not 0 <= t < ctx.vocab_size]
     if bad:
         raise bad_request(f"Token id {bad[0]} is out of the vocabulary range [0, {ctx.vocab_size}).", "tokens")
-    text = await ctx.async_engine.run_in_engine_thread(ctx.tokenizer.decode, request.tokens)
+    text = await ctx.run_in_tokenizer_thread(ctx.tokenizer.decode, request.tokens)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 

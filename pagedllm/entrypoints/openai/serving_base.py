@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -111,6 +113,17 @@ def logit_bias(request: Any, vocab_size: int) -> dict[int, float] | None:
     return result
 
 
+def server_tokenizer(tokenizer: Any) -> Any:
+    """The server's own copy of the engine's tokenizer: the server's tokenizer thread and the engine's
+    (detokenizing every step) then never share one object, whose Rust side refuses concurrent
+    mutable use."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, as before
+        logger.warning("the tokenizer could not be copied; the server shares the engine's")
+        return tokenizer
+
+
 @dataclass
 class ServingContext:
     """The server's view of the engine, shared by every handler."""
@@ -125,6 +138,20 @@ class ServingContext:
     max_prompts_per_request: int = 1024
     structured: StructuredOutputManager | None = None
     _token_text_cache: dict[int, str] = field(default_factory=dict)
+    _tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+    )
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (encoding prompts, rendering chats) on the server's tokenizer thread.
+
+        Beside the engine's step rather than queued behind it on the engine thread: there, a request
+        arriving mid-step was tokenized after that step, and its add then waited behind the next one
+        (the loop queues it at once), a whole step added to its time to first token."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:

@@ -133,7 +133,7 @@ class OpenAIServingChat:
         self.enable_auto_tool_choice = enable_auto_tool_choice
 
     def render(self, request: Any, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        """On the engine thread: the chat template applied and tokenized; ValueError says what is wrong."""
+        """On the tokenizer thread: the chat template applied and tokenized; ValueError says what is wrong."""
         return render_chat_checked(
             self.ctx.tokenizer,
             conversation(request.messages or []),
@@ -174,7 +174,7 @@ class OpenAIServingChat:
         params = ctx.make_sampling_params(request, max_tokens, top_logprobs, spec)
         await ctx.compile_grammar(spec, spec_field)
         try:
-            text, token_ids = await ctx.async_engine.run_in_engine_thread(self.render, request, plan.tools)
+            text, token_ids = await ctx.run_in_tokenizer_thread(self.render, request, plan.tools)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
         ctx.check_length(len(token_ids), max_tokens, "messages")

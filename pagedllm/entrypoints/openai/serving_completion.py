@@ -123,7 +123,7 @@ class OpenAIServingCompletion:
         self.ctx = ctx
 
     def _encode(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
-        """On the engine thread: tokenize text prompts exactly as the engine would."""
+        """On the tokenizer thread: tokenize text prompts exactly as the engine would."""
         tokenizer = self.ctx.tokenizer
         encoded: list[tuple[str | None, list[int]]] = []
         for index, prompt in enumerate(prompts):
@@ -166,7 +166,7 @@ class OpenAIServingCompletion:
         if plan.echo and plan.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, plan.logprobs)
         await ctx.compile_grammar(spec, spec_field)
-        encoded = await ctx.async_engine.run_in_engine_thread(self._encode, prompts)
+        encoded = await ctx.run_in_tokenizer_thread(self._encode, prompts)
         for _, token_ids in encoded:
             ctx.check_length(len(token_ids), max_tokens, "prompt")
         request_id = random_id("cmpl")
