@@ -159,7 +159,7 @@ class EngineArgs:
     batching: str = "iteration"
     track_kv_waste: bool = False
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int = 0
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
 

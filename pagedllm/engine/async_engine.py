@@ -1,10 +1,11 @@
 """AsyncLLMEngine: the asyncio front of LLMEngine, for the API server and streaming.
 
 LLMEngine is not thread-safe, so every call into it (add, abort, step, stats) runs on ONE worker
-thread, a single-thread executor: calls are serialized
-in submission order and the event loop never blocks on a step. A background task drives the
-engine: while there is work it submits ``step()`` and hands each RequestOutput to the stream of
-its request; when there is none it sleeps on an event that ``generate`` and ``abort`` set.
+thread, a single-thread executor: calls are serialized in submission order and the event loop
+never blocks on a step (the server tokenizes prompts on a thread of its own, not this one). A
+background task drives the engine: while there is work it submits ``step()`` and hands each
+RequestOutput to the stream of its request; when there is none it sleeps on an event that
+``generate`` and ``abort`` set.
 
 Outputs are cumulative (full text and token ids so far), so a request's stream only keeps the
 latest one: a slow reader skips intermediate steps instead of buffering them.

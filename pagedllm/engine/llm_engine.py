@@ -39,10 +39,8 @@ from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
 
-# The default step token budget with chunked prefill, and the most prompt tokens one request
-# computes in a step (0: no limit but the budget).
+# The default step token budget with chunked prefill.
 DEFAULT_CHUNKED_BATCHED_TOKENS = 256
-DEFAULT_LONG_PREFILL_TOKENS = 0
 
 
 class LLMEngine:
@@ -130,9 +128,6 @@ class LLMEngine:
             max_num_batched_tokens = (
                 DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill else max(model_config.max_model_len, 8192)
             )
-        long_prefill_token_threshold = args.long_prefill_token_threshold
-        if long_prefill_token_threshold is None:
-            long_prefill_token_threshold = DEFAULT_LONG_PREFILL_TOKENS if args.enable_chunked_prefill else 0
         cache_config = CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -150,7 +145,7 @@ class LLMEngine:
             batching=args.batching,
             track_kv_waste=args.track_kv_waste,
             enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         )
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,

@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="Share each step's token budget between decodes and prompt chunks (off: a step is all "
                        "prefill or all decode, as in the paper).")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=None,
+    group.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="With chunked prefill: the most prompt tokens one request computes in a step "
                        "(0: no limit but the step budget).")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")

@@ -50,7 +50,7 @@ class LLM:
         batching: str = "iteration",
         track_kv_waste: bool = False,
         enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int | None = None,
+        long_prefill_token_threshold: int = 0,
         **kwargs: Any,
     ) -> None:
         if kwargs:

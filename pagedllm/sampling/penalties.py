@@ -123,7 +123,11 @@ def _top_k_top_p_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     vocab_size = logits.shape[1]
     ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
     sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    # The candidate path's probabilities, rounding included (normalised over the top k when set,
+    # else over the unsorted row), so that both put a token on the same side of the boundary p.
+    has_k = top_k < vocab_size
+    log_norm = torch.where(has_k, sorted_logits.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    sorted_probs = (sorted_logits - log_norm.unsqueeze(1)).exp()
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # p = 1 must keep everything, even where rounding lets the cumulative sum reach 1 early.
     limit = torch.where(top_p >= 1.0, float("inf"), top_p.to(sorted_probs.dtype))

@@ -43,16 +43,13 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // output features per panel: two registers of 16
 constexpr int kTile = 12;       // rows per register tile: 24 accumulators
-#ifndef PAGEDLLM_ROW_BLOCK_BYTES
-#define PAGEDLLM_ROW_BLOCK_BYTES (64 * 1024)
-#endif
 
 // Rows of x are taken in blocks of about kRowBlockBytes, each block against all of a thread's
 // panels: the block stays in the core's near caches while the panels stream past. Over all rows
 // at once, a prompt's x (1,000 rows at K = 1536 is 3 MB in bfloat16) was re-read from memory for
 // every panel; on a 2-core AMX machine, blocks of 64 KB made 256-2,048-row products 20-30% faster
 // and did not slow 64 rows.
-constexpr int64_t kRowBlockBytes = PAGEDLLM_ROW_BLOCK_BYTES;
+constexpr int64_t kRowBlockBytes = 64 * 1024;
 
 // Rows per block for rows of row_bytes: a multiple of `unit` (the micro-kernel's rows), at least one.
 inline int64_t row_block_rows(int64_t row_bytes, int64_t unit) {
