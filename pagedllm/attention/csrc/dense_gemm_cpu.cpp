@@ -320,7 +320,8 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
         }
       }
     }
-    for (int64_t p = p_begin; p < p_end && rest_tiles > 0; ++p) {
+    // The rows past the last full block, zero-padded in `tail`.
+    for (int64_t p = p_begin; p < p_end && rest > 0; ++p) {
       const uint16_t* panel = packed + p * panel_stride;
       if (rest_tiles == 1) {
         amx_block<1>(tail.data(), k_dim, panel, k_dim, sums);

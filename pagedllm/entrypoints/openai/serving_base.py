@@ -145,9 +145,9 @@ class ServingContext:
     async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (encoding prompts, rendering chats) on the server's tokenizer thread.
 
-        Beside the engine's step rather than queued behind it on the engine thread: there, a request
-        arriving mid-step was tokenized after that step, and its add then waited behind the next one
-        (the loop queues it at once), a whole step added to its time to first token."""
+        Beside the engine's step, not on the engine thread: there a request arriving mid-step would be
+        tokenized only after that step, and its add would then wait behind the next one (the loop
+        queues it the moment a step ends): a whole step more before its first token."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def close(self) -> None:
