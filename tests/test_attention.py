@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx, prompt_attention_amx_supported
+
+AMX_HERE = prompt_attention_amx_supported(
+    torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
+)
 
 
 def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads, window=None,
@@ -143,6 +147,7 @@ def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype):
     import pagedllm.attention.backend as backend
 
     monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    monkeypatch.setattr(backend, "AMX_MAX_CHUNK_PAIRS", 0)  # bfloat16 chunks would go to the AMX kernel
     for seed in range(8):
         for head_dim in (8, 64):
             _run(seed, "mixed", use_cpu_kernel=True, head_dim=head_dim, dtype=dtype)
@@ -155,6 +160,7 @@ def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window):
     import pagedllm.attention.backend as backend
 
     monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    monkeypatch.setattr(backend, "AMX_MAX_CHUNK_PAIRS", 0)
     lengths = []
     sdpa = backend.F.scaled_dot_product_attention
 
@@ -166,6 +172,69 @@ def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window):
     for seed in range(8):
         _run(seed, "mixed", use_cpu_kernel=True, head_dim=64, window=window, dtype=torch.bfloat16)
     assert lengths and all(q % backend.SDPA_CPU_BLOCK == 0 and k % backend.SDPA_CPU_BLOCK == 0 for q, k in lengths)
+
+
+@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("window", [None, 40])
+def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window):
+    """Mixed batches in bfloat16 with every prompt chunk on the AMX kernel (a window at least
+    their span leaves them there), decodes on the chunked kernel, against the token-by-token
+    reference; with a pair budget of 60, larger chunks go to SDPA in the same batches."""
+    import pagedllm.attention.backend as backend
+
+    monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    calls = []
+
+    def recording_amx(query, *args):
+        calls.append(query.shape[0])
+        return prompt_attention_amx(query, *args)
+
+    monkeypatch.setattr(backend, "prompt_attention_amx", recording_amx)
+    for pairs in (backend.AMX_MAX_CHUNK_PAIRS, 60):
+        monkeypatch.setattr(backend, "AMX_MAX_CHUNK_PAIRS", pairs)
+        for seed in range(12):
+            for head_dim in (64, 128):
+                _run(seed, "mixed", use_cpu_kernel=True, head_dim=head_dim, window=window, dtype=torch.bfloat16)
+    assert calls
+
+
+@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize(
+    "block_size, num_heads, num_kv_heads, head_dim", [(16, 9, 3, 64), (4, 4, 4, 128), (8, 6, 1, 64)]
+)
+def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, head_dim):
+    """The tile kernel over prompts and chunks that span many 16-row and 64-key steps (lengths
+    off every step), blocks scattered through the pool, against float64 attention."""
+    torch.manual_seed(0)
+    chunks = [(0, 200), (100, 150), (37, 1), (64, 64), (0, 17), (250, 9)]  # (cached, new)
+    lens = [c + n for c, n in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    order = torch.randperm(num_blocks).tolist()
+    max_blocks = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+    for b, length in enumerate(lens):
+        used = -(-length // block_size)
+        tables[b, :used] = torch.tensor(order[:used])
+        order = order[used:]
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    query = (torch.randn(starts[-1], num_heads, head_dim) * 2).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    out = prompt_attention_amx(query, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), scale)
+    group = num_heads // num_kv_heads
+    for b, (cached, _) in enumerate(chunks):
+        k = k_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[: lens[b]].double().repeat_interleave(group, 1)
+        v = v_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[: lens[b]].double().repeat_interleave(group, 1)
+        q = query[starts[b] : starts[b + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        visible = torch.arange(lens[b])[None, :] <= torch.arange(cached, lens[b])[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        expected = torch.einsum("hqk,khd->qhd", probs, v)
+        # Probabilities multiply the values in bfloat16, the output is rounded to bfloat16.
+        torch.testing.assert_close(out[starts[b] : starts[b + 1]].double(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])

@@ -12,9 +12,11 @@ sequence and to itself. The step's keys and values are written into the cache fi
 chunk reads its own tokens and its earlier context alike, through the block table.
 
 On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: the decode
-kernel for all-decode steps, the chunked kernel for mixed ones, except prompt chunks torch's
-fused SDPA serves better: prompts with nothing cached (over the step's own keys and values) and
-chunks of ``SDPA_MIN_CHUNK`` tokens or more after a cached context (over it, gathered).
+kernel for all-decode steps, the chunked kernel for mixed ones, except prompt chunks its vector
+loops serve slowly: prompts with nothing cached and chunks of ``SDPA_MIN_CHUNK`` tokens or more
+after a cached context. Those go, in bfloat16 on a CPU with AMX, to the tile kernel (blocks read
+in place) up to ``AMX_MAX_CHUNK_PAIRS``; otherwise to torch's fused SDPA (over the step's own keys
+and values, or over the gathered context).
 Elsewhere, or when the kernels are unavailable, the torch-native path (the reference) gathers
 the blocks into a temporary tensor for that step only. Nothing contiguous is kept between steps.
 
@@ -34,7 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels, paged_chunked_attention, paged_decode_attention
+from pagedllm.attention.cpu_kernels import (
+    load_cpu_kernels,
+    paged_chunked_attention,
+    paged_decode_attention,
+    prompt_attention_amx,
+    prompt_attention_amx_supported,
+)
 
 # On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
 # SDPA over their gathered context rather than our chunked kernel (which stays for decodes and
@@ -46,6 +54,13 @@ SDPA_MIN_CHUNK = 64
 # layer where 448 tokens took 1.6 ms (float32 shows no such step). Such lengths are padded to the
 # next multiple; the padded keys are masked out and the padded queries' rows dropped.
 SDPA_CPU_BLOCK = 32
+
+# bfloat16 prompt chunks on a CPU with AMX go to our tile kernel (prompt_attention_amx) up to this
+# many (query, key) pairs per chunk, counted as query tokens x keys seen by the last; beyond it
+# torch's SDPA amortises its fixed costs and multiplies faster (on a 2-core AMX machine: 448 tokens
+# 1.3 vs 1.8 ms per layer, 1,024 tokens 6.2 vs 8.6, a 250-token chunk after 1,750 cached 5.6 vs
+# 7.3 with its context gathered; 2,048 tokens 28.7 vs 21.2).
+AMX_MAX_CHUNK_PAIRS = 1024 * 1024
 
 
 def _sdpa_padding(q: torch.Tensor, length: int) -> int:
@@ -306,10 +321,9 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """The C++ chunked kernel for decodes and short chunks after a cached context; prompt chunks
-        ``sdpa_split`` picks go to torch's fused SDPA instead (its flash kernel multiplies bfloat16
-        natively: ~5x our kernel for a 448-token bfloat16 prompt, ~2x in float32; a 192-token chunk
-        after 256 cached tokens, masked, ~1 ms per layer with its context gathered). None when the
-        kernel is unavailable."""
+        ``sdpa_split`` picks go to the AMX tile kernel where it runs (``_amx_chunks``), the others to
+        torch's fused SDPA (its flash kernel multiplies bfloat16 natively: ~5x our chunked kernel
+        for a 448-token bfloat16 prompt, ~2x in float32). None when the kernels are unavailable."""
         window = self.sliding_window
         sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(window)
         if not sdpa:
@@ -317,7 +331,20 @@ class PagedAttention(nn.Module):
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
                 self.scale, window or 0, self.logits_soft_cap or 0.0,
             )
+        tiled = self._amx_chunks(query, kv_cache[0], meta, sdpa)
+        if len(tiled) == meta.num_seqs:  # prompts only, all on tiles
+            return prompt_attention_amx(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
+                self.scale,
+            )
         out = torch.empty_like(query)
+        if tiled:
+            part = meta.sub_batch(tiled)
+            out[part.decode_rows] = prompt_attention_amx(
+                query[part.decode_rows], kv_cache[0], kv_cache[1], part.block_tables, part.query_start_loc_tensor,
+                part.context_lens, self.scale,
+            )
+            sdpa = tuple(i for i in sdpa if i not in tiled)
         if rest:
             part = meta.sub_batch(rest)
             attended = paged_chunked_attention(
@@ -330,6 +357,18 @@ class PagedAttention(nn.Module):
         for i in sdpa:
             self._attend_prompt_chunk(query, key, value, kv_cache, meta, i, out)
         return out
+
+    def _amx_chunks(
+        self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, chunks: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The prompt chunks of ``chunks`` (sequences without a window narrower than their span)
+        that the AMX kernel serves: up to ``AMX_MAX_CHUNK_PAIRS``, where it runs at all."""
+        if not chunks or self.logits_soft_cap is not None or not prompt_attention_amx_supported(query, cache):
+            return ()
+        return tuple(
+            i for i in chunks
+            if meta.query_lens[i] * (meta.num_cached_tokens[i] + meta.query_lens[i]) <= AMX_MAX_CHUNK_PAIRS
+        )
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T * scale [soft-capped], masked) v over [B, H, q, D] / [B, Hkv, L, D]."""

@@ -27,6 +27,7 @@ _SOURCES = [
     for name in (
         "paged_attention_cpu.cpp",
         "chunked_attention_cpu.cpp",
+        "prompt_attention_amx.cpp",
         "kv_cache_cpu.cpp",
         "greedy_cpu.cpp",
         "token_mask_cpu.cpp",
@@ -37,7 +38,9 @@ _SOURCES = [
         "bindings.cpp",
     )
 ]
-_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("quant_formats.h", "vec_math.h")]
+_HEADERS = [
+    os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("quant_formats.h", "vec_math.h", "amx_tiles.h")
+]
 _lock = threading.Lock()
 
 
@@ -151,6 +154,32 @@ def paged_chunked_attention(
         return None
     return module.paged_chunked_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, logits_soft_cap
+    )
+
+
+def prompt_attention_amx_supported(query: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``prompt_attention_amx`` runs for these queries and cache here: bfloat16 both, on a
+    CPU with AMX, a head size that is a multiple of 64 (at most 256)."""
+    if query.device.type != "cpu" or query.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
+        return False
+    module = load_cpu_kernels()
+    return module is not None and module.prompt_attention_amx_supported(query.shape[-1])
+
+
+def prompt_attention_amx(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """[T, Hq, D] causal attention of prompt chunks over their cached context and themselves (the
+    step's keys and values already written), on AMX tiles; only where
+    ``prompt_attention_amx_supported``."""
+    return load_cpu_kernels().prompt_attention_amx(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
 
 

@@ -10,6 +10,10 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
                                       torch::Tensor context_lens, double scale, int64_t sliding_window,
                                       double logits_soft_cap);
+bool prompt_attention_amx_supported(int64_t head_dim);
+torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                   torch::Tensor context_lens, double scale);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits);
 void apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, c10::optional<torch::Tensor> rows);
@@ -42,6 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
   m.def("paged_chunked_attention", &paged_chunked_attention,
         "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)", ReleaseGil());
+  m.def("prompt_attention_amx_supported", &prompt_attention_amx_supported,
+        "Whether prompt_attention_amx runs here for this head_dim (AMX, head_dim a multiple of 64)");
+  m.def("prompt_attention_amx", &prompt_attention_amx,
+        "Causal attention of prompt chunks over their cached context and themselves, bfloat16 on AMX tiles (CPU)",
+        ReleaseGil());
   m.def("write_kv_cache", &write_kv_cache, "This step's keys and values into their cache slots (CPU)");
   m.def("greedy_pick", &greedy_pick, "Per-row argmax and its log-probability (CPU, float32 or bfloat16)",
         ReleaseGil());

@@ -33,11 +33,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vec_math.h"
-#if defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -230,34 +227,10 @@ void tile_rows(int rows, const typename Panel<T>::raw* x, int64_t ldx, const typ
 }
 
 #if defined(__AMX_BF16__)
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_ready() {
-  static const bool ready = [] {
-    constexpr int kArchReqXcompPerm = 0x1023;
-    constexpr int kXfeatureXtiledata = 18;
-    return __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+using pagedllm::amx_ready;
 
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: the sums of 32 rows x 32 outputs (two rows of tiles by two); tmm4-5: 16 rows x 32 inputs
-// of x each; tmm6-7: 16 input pairs x 16 outputs of the panel each.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (pagedllm::configure_full_tiles): tmm0-3 the sums of 32 rows x 32 outputs (two rows of
+// tiles by two); tmm4-5 16 rows x 32 inputs of x each; tmm6-7 16 input pairs x 16 outputs of the panel each.
 
 // ROW_TILES x 16 rows of x against one panel: sums into out[16 * ROW_TILES][32]. k_dim % 32 == 0.
 template <int ROW_TILES>
@@ -309,7 +282,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
   const int64_t row_block = row_block_rows(k_dim * 2, 32);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
-    configure_tiles();
+    pagedllm::configure_full_tiles();
     for (int64_t m0 = 0; m0 < full_rows; m0 += row_block) {
       const int64_t m1 = std::min(full_rows, m0 + row_block);
       for (int64_t p = p_begin; p < p_end; ++p) {
