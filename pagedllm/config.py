@@ -76,6 +76,12 @@ class SchedulerConfig:
     # rest). Several prompts then share a large budget, while a long one still advances a bounded
     # chunk per step and so holds up the running streams for a bounded time.
     long_prefill_token_threshold: int = 0
+    # With chunking: a prompt too long for one step's budget (its group's tokens exceed
+    # max_num_batched_tokens) computes at most this many tokens per step (0: the budget's rest).
+    # Prompts that fit the budget still run whole, so the budget can be sized for typical prompts
+    # (one step to their first token) while a long prompt advances in chunks that bound how long
+    # it holds up the running streams.
+    long_prompt_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -89,6 +95,10 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no limit), got {self.long_prefill_token_threshold}."
+            )
+        if self.long_prompt_chunk_tokens < 0:
+            raise ValueError(
+                f"long_prompt_chunk_tokens must be >= 0 (0: no limit), got {self.long_prompt_chunk_tokens}."
             )
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(
@@ -160,6 +170,7 @@ class EngineArgs:
     track_kv_waste: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    long_prompt_chunk_tokens: int = 256
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
 

@@ -162,6 +162,7 @@ def make_scheduler(
     kv_allocation: str = "paged",
     batching: str = "iteration",
     long_prefill_token_threshold: int = 0,
+    long_prompt_chunk_tokens: int = 0,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -173,6 +174,7 @@ def make_scheduler(
         kv_allocation=kv_allocation,
         batching=batching,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prompt_chunk_tokens=long_prompt_chunk_tokens,
     )
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, num_gpu_blocks, num_cpu_blocks)

@@ -87,6 +87,34 @@ def test_several_capped_prompt_chunks_per_step_equal_transformers(llama_dir, pro
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_prompts_over_the_budget_in_long_prompt_chunks_equal_transformers(llama_dir, prompts_and_expected, caching):
+    """Budget 32: prompts of up to 32 tokens take what the budget leaves (whole when it can), longer
+    ones (43-64 tokens) 5 tokens a step."""
+    prompts, expected = prompts_and_expected
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=32,
+              long_prompt_chunk_tokens=5, enable_prefix_caching=caching)
+    scheduler = llm.llm_engine.scheduler
+    chunks: dict[str, list[int]] = {}
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        for group in out.scheduled_seq_groups:
+            for seq in group.seqs:
+                if seq.prompt_len > 1 and out.num_scheduled_tokens.get(seq.seq_id, 0) > 1:
+                    chunks.setdefault(group.request_id, []).append(out.num_scheduled_tokens[seq.seq_id])
+        return out
+
+    scheduler.schedule = recording_schedule
+    assert [ids[0] for ids in _generate(llm, prompts, GREEDY)] == expected
+    long = [sizes for r, sizes in chunks.items() if len(prompts[int(r)]) > 32]
+    short = [sizes for r, sizes in chunks.items() if len(prompts[int(r)]) <= 32]
+    assert long and all(max(sizes) <= 5 for sizes in long)
+    assert any(max(sizes) > 5 for sizes in short)  # not capped
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_the_middle_of_a_chunked_prompt(llama_dir, prompts_and_expected, mode):
     prompts, expected = prompts_and_expected

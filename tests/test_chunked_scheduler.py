@@ -152,6 +152,26 @@ def test_long_prefill_threshold_below_a_groups_size_still_finishes_its_prompt() 
 def test_long_prefill_threshold_is_validated() -> None:
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="long_prompt_chunk_tokens"):
+        SchedulerConfig(long_prompt_chunk_tokens=-1)
+
+
+def test_prompts_within_the_budget_run_whole_longer_ones_in_capped_chunks() -> None:
+    engine = chunked(max_num_batched_tokens=32, long_prompt_chunk_tokens=8, max_model_len=512,
+                     enable_prefix_caching=False)
+    a = engine.add("a", 30, max_tokens=4, arrival_time=1.0)
+    out = engine.step()
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 30}  # fits the budget: one step
+    long = engine.add("long", 40, max_tokens=2, arrival_time=2.0)
+    short = engine.add("short", 20, max_tokens=2, arrival_time=3.0)
+    out = engine.step()
+    # a decodes; the long prompt (40 > 32) gets 8 tokens; the short one the rest of the budget.
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 1, long.seqs[0].seq_id: 8, short.seqs[0].seq_id: 20}
+    out = engine.step()
+    assert out.num_scheduled_tokens[long.seqs[0].seq_id] == 8
+    engine.run()
+    assert all(out.num_batched_tokens <= 32 for out in engine.history)
+    assert len(long.seqs[0].output_token_ids) == 2 and len(short.seqs[0].output_token_ids) == 2
 
 
 # ------------------------------------------------------------------------------ property test
@@ -171,9 +191,10 @@ def test_long_prefill_threshold_is_validated() -> None:
     mode=st.sampled_from(["recompute", "swap", "auto"]),
     caching=st.booleans(),
     threshold=st.sampled_from([0, 0, 1, 4, 9]),
+    long_chunk=st.sampled_from([0, 0, 1, 3, 8]),
 )
 def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks, num_cpu_blocks, mode, caching,
-                                                   threshold):
+                                                   threshold, long_chunk):
     """Random arrivals, lengths and budgets: no step exceeds the budget or the pool, every request
     finishes with the outputs of an unconstrained run, no block leaks, and among prompts of equal
     length the first tokens come in arrival order."""
@@ -197,16 +218,21 @@ def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks
 
     engine = run(chunked(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=8,
                          max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=caching,
-                         long_prefill_token_threshold=threshold))
+                         long_prefill_token_threshold=threshold, long_prompt_chunk_tokens=long_chunk))
     reference = run(chunked(num_gpu_blocks=4000, max_num_seqs=64, max_num_batched_tokens=4096))
     assert not engine.ignored and set(engine.finished) == {f"r{i}" for i in range(len(requests))}
     assert outputs_of(engine) == outputs_of(reference)
     for out in engine.history:
         assert out.num_batched_tokens <= budget
-        if threshold:  # no group computes more than the threshold (or, decoding, one token per sequence)
-            for group in out.scheduled_seq_groups:
-                tokens = [out.num_scheduled_tokens.get(seq.seq_id, 0) for seq in group.seqs]
-                assert sum(tokens) <= max(threshold, sum(1 for t in tokens if t))
+        for group in out.scheduled_seq_groups:
+            # No group computes more than the threshold, nor one whose prompt alone is too long for
+            # the budget more than long_chunk (decoding, one token per sequence).
+            tokens = [out.num_scheduled_tokens.get(seq.seq_id, 0) for seq in group.seqs]
+            decode = sum(1 for t in tokens if t)
+            if threshold:
+                assert sum(tokens) <= max(threshold, decode)
+            if long_chunk and group.seqs[0].prompt_len > budget:
+                assert sum(tokens) <= max(long_chunk, decode)
     # FCFS: equal prompt lengths, arrival order (= the order of ids within an arrival step).
     order = sorted(range(len(requests)), key=lambda i: (requests[i][0], i))
     for a_pos, a in enumerate(order):

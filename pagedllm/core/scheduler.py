@@ -354,13 +354,16 @@ class Scheduler:
         """Tokens each running sequence of the group computes this step, within the budget left.
 
         All of what is left when it fits (within ``long_prefill_token_threshold`` per group, when
-        set); otherwise as much as fits with every sequence stopping short of its last token, so
-        that the group's sequences finish their prompts (and sample their first tokens) in the
-        same step.
+        set, and ``long_prompt_chunk_tokens`` for a group too long for the budget); otherwise as
+        much as fits with every sequence stopping short of its last token, so that the group's
+        sequences finish their prompts (and sample their first tokens) in the same step.
         """
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         left = self._budget_left(outputs)
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        config = self.scheduler_config
+        threshold = config.long_prefill_token_threshold
+        if config.long_prompt_chunk_tokens > 0 and sum(seq.get_len() for seq in seqs) > config.max_num_batched_tokens:
+            threshold = min(threshold or config.long_prompt_chunk_tokens, config.long_prompt_chunk_tokens)
         if threshold > 0:
             # Progress even below one token per sequence: a sequence with one token left waits,
             # and a group with one left in each is decoding (its tokens are not a prompt chunk).

@@ -40,7 +40,7 @@ from pagedllm.worker.worker import Worker, resolve_device
 logger = logging.getLogger(__name__)
 
 # The default step token budget with chunked prefill.
-DEFAULT_CHUNKED_BATCHED_TOKENS = 256
+DEFAULT_CHUNKED_BATCHED_TOKENS = 512
 
 
 class LLMEngine:
@@ -124,7 +124,8 @@ class LLMEngine:
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
             # Chunked: a step's budget bounds how long running streams wait for a prompt (on a CPU a
-            # few hundred tokens take a fraction of a second). Unchunked: whole prompts must fit.
+            # few hundred tokens take a fraction of a second); typical prompts fit it whole, longer
+            # ones advance long_prompt_chunk_tokens a step. Unchunked: whole prompts must fit.
             max_num_batched_tokens = (
                 DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill else max(model_config.max_model_len, 8192)
             )
@@ -146,6 +147,7 @@ class LLMEngine:
             track_kv_waste=args.track_kv_waste,
             enable_chunked_prefill=args.enable_chunked_prefill,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
         )
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,

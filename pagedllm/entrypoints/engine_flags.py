@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")
     group.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="Token budget of one step (default: 256 with chunked prefill, "
+                       help="Token budget of one step (default: 512 with chunked prefill, "
                        "else max(max_model_len, 8192)).")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="Share each step's token budget between decodes and prompt chunks (off: a step is all "
@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="With chunked prefill: the most prompt tokens one request computes in a step "
                        "(0: no limit but the step budget).")
+    group.add_argument("--long-prompt-chunk-tokens", type=int, default=256,
+                       help="With chunked prefill: the most tokens per step of a prompt longer than the step budget "
+                       "(prompts within the budget run whole; 0: no limit but the budget).")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
     group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
@@ -82,6 +85,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
         preemption_mode=args.preemption_mode,
         kv_allocation=args.kv_allocation,
         batching=args.batching,

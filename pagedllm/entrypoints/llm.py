@@ -51,6 +51,7 @@ class LLM:
         track_kv_waste: bool = False,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        long_prompt_chunk_tokens: int = 256,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -79,6 +80,7 @@ class LLM:
             track_kv_waste=track_kv_waste,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            long_prompt_chunk_tokens=long_prompt_chunk_tokens,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 
