@@ -57,10 +57,10 @@ SDPA_CPU_BLOCK = 32
 
 # bfloat16 prompt chunks on a CPU with AMX go to our tile kernel (prompt_attention_amx) up to this
 # many (query, key) pairs per chunk, counted as query tokens x keys seen by the last; beyond it
-# torch's SDPA amortises its fixed costs and multiplies faster (on a 2-core AMX machine: 448 tokens
-# 1.3 vs 1.8 ms per layer, 1,024 tokens 6.2 vs 8.6, a 250-token chunk after 1,750 cached 5.6 vs
-# 7.3 with its context gathered; 2,048 tokens 28.7 vs 21.2).
-AMX_MAX_CHUNK_PAIRS = 1024 * 1024
+# torch's SDPA, whose fixed costs are amortised by then (benchmarks/prompt_attention.py on a 2-core
+# AMX machine, ms per layer: 448 tokens 1.1 vs 2.3, 1,024 tokens 5.6 vs 8.8, a 250-token chunk after
+# 1,750 cached 5.3 vs 8.1 with its context gathered, 2,048 tokens 20.4 vs 21.8: nearly level).
+AMX_MAX_CHUNK_PAIRS = 2048 * 2048
 
 
 def _sdpa_padding(q: torch.Tensor, length: int) -> int:

@@ -3,8 +3,9 @@
 // (the step's own keys and values were written into the cache before the call).
 //
 // Why: torch's fused CPU SDPA runs a 448-token bfloat16 prompt at ~2 ms per layer on a 2-core AMX
-// machine (its causal mask saves nothing there); the two products on tiles and an online softmax
-// in AVX-512 take a fraction of that, and a chunk after a cached context needs no gathered copy.
+// machine (its causal mask saves little there, and it has fixed costs per call); here ~1.1 ms, and
+// a chunk after a cached context needs no gathered copy (benchmarks/prompt_attention.py). At
+// 2,048 x 2,048 (query, key) pairs the two are level; past that the backend keeps SDPA.
 //
 // Per call, each (sequence, KV head) first has its keys and values copied out of the blocks into
 // the layouts tiles multiply (the cost of one pass over them; every query head of the group and
@@ -13,11 +14,12 @@
 //           side by side: the B operand of S = Q K^T, 32 dimensions x 16 keys per tile
 //   values  [L/2][D][2]: for each key pair, dimension d of both keys side by side: the B operand
 //           of O = P V, 32 keys x 16 dimensions per tile
-// (L rounded up to 32, the padding zero). A work item is 16 query rows of one query head: it
-// walks its keys 32 at a time up to its last row's position, S on tiles (float32 sums), then
-// per row a running max and sum in float32 (flash attention's online softmax), P rounded to
-// bfloat16 into one A tile, P V on tiles, added to the float32 accumulator rescaled by the
-// change of the row's max. Keys past a row's position get P = 0 exactly.
+// (L rounded up to 64, the padding zero). A work item is 16 query rows of every query head that
+// shares one KV head: it walks its keys 64 at a time up to its last row's position, S on tiles
+// (float32 sums), then per row a running max and sum in float32 (flash attention's online
+// softmax), P rounded to bfloat16 into two A tiles, P V on tiles, added to the float32
+// accumulator rescaled by the change of the row's max. Keys past a row's position get P = 0
+// exactly. Head sizes: multiples of 64 (four output tiles of 16 per pass).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -301,7 +304,8 @@ torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, t
       }
     }
   }
-  std::vector<uint16_t> keys(offsets[batch]), values(offsets[batch]);
+  // Uninitialised: pack_head writes every element, padding included.
+  std::unique_ptr<uint16_t[]> keys(new uint16_t[offsets[batch]]), values(new uint16_t[offsets[batch]]);
   const uint16_t* k_data = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const uint16_t* v_data = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -310,7 +314,7 @@ torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, t
       const int64_t padded = (lens[b] + kKeys - 1) / kKeys * kKeys;
       const int64_t offset = offsets[b] + g * padded * head_dim;
       pack_head(k_data, v_data, tables + b * max_blocks, lens[b], padded, block_size, num_kv_heads, head_dim, g,
-                reinterpret_cast<uint32_t*>(keys.data() + offset), values.data() + offset);
+                reinterpret_cast<uint32_t*>(keys.get() + offset), values.get() + offset);
     }
   });
   // An item's cost grows with its position; ordered cheapest, dearest, next cheapest, ... every
@@ -332,8 +336,8 @@ torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, t
       const Item& item = balanced[i];
       const int64_t padded = (lens[item.seq] + kKeys - 1) / kKeys * kKeys;
       const int64_t offset = offsets[item.seq] + item.kv_head * padded * head_dim;
-      attend_item(item, group, q_data, q_stride, reinterpret_cast<const uint32_t*>(keys.data() + offset),
-                  values.data() + offset, head_dim, static_cast<float>(scale), o_data, scratch);
+      attend_item(item, group, q_data, q_stride, reinterpret_cast<const uint32_t*>(keys.get() + offset),
+                  values.get() + offset, head_dim, static_cast<float>(scale), o_data, scratch);
     }
     _tile_release();
   });
