@@ -39,6 +39,31 @@ def sdpa_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ta
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def time_shape(cached: int, new: int, args: argparse.Namespace, scale: float) -> tuple[float, float]:
+    """Median ms of the tile kernel and of SDPA for one chunk of ``new`` tokens after ``cached``."""
+    total = cached + new
+    num_blocks = -(-total // args.block_size)
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16)
+    table = torch.randperm(num_blocks).unsqueeze(0)
+    q = torch.randn(new, args.num_heads, args.head_dim, dtype=torch.bfloat16)
+    starts, lens = torch.tensor([0, new]), torch.tensor([total])
+    runs = {
+        "amx": lambda: prompt_attention_amx(q, k_cache, v_cache, table, starts, lens, scale),
+        "sdpa": lambda: sdpa_chunk(q, k_cache, v_cache, table, cached, scale),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():  # warm-up
+        run()
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times["amx"]), 1e3 * statistics.median(times["sdpa"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-heads", type=int, default=9)
@@ -59,29 +84,8 @@ def main() -> None:
           f"ms per layer, medians of {args.rounds}")
     print(f"{'cached':>7} {'new':>6} {'amx':>8} {'sdpa':>8} {'amx/sdpa':>9}")
     for cached, new in SHAPES:
-        total = cached + new
-        num_blocks = -(-total // args.block_size)
-        shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-        k_cache = torch.randn(shape, dtype=torch.bfloat16)
-        v_cache = torch.randn(shape, dtype=torch.bfloat16)
-        table = torch.randperm(num_blocks).unsqueeze(0)
-        q = torch.randn(new, args.num_heads, args.head_dim, dtype=torch.bfloat16)
-        starts, lens = torch.tensor([0, new]), torch.tensor([total])
-        runs = {
-            "amx": lambda: prompt_attention_amx(q, k_cache, v_cache, table, starts, lens, scale),
-            "sdpa": lambda: sdpa_chunk(q, k_cache, v_cache, table, cached, scale),
-        }
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for name, run in runs.items():  # warm-up
-            run()
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        amx, sdpa = (1e3 * statistics.median(times[name]) for name in ("amx", "sdpa"))
+        amx, sdpa = time_shape(cached, new, args, scale)
         print(f"{cached:>7} {new:>6} {amx:>8.2f} {sdpa:>8.2f} {amx / sdpa:>9.2f}")
-
 
 if __name__ == "__main__":
     main()
