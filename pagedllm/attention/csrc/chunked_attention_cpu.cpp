@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "work_order.h"
+
 namespace {
 
 constexpr int64_t TILE = 8;  // query rows per work item
@@ -211,18 +213,7 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
       items.push_back({b, starts[b] + r, std::min(TILE, num_rows - r), cached + r});
     }
   }
-  // The parallel loop hands each thread a contiguous range of items, and a tile's cost grows
-  // with its position. Ordered light, heavy, light, heavy... (cheapest with dearest), every
-  // contiguous range holds about the same work.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.first_pos < b.first_pos; });
-  std::vector<WorkItem> balanced;
-  balanced.reserve(items.size());
-  for (size_t lo = 0, hi = items.size(); lo < hi;) {
-    balanced.push_back(items[lo++]);
-    if (lo < hi) balanced.push_back(items[--hi]);
-  }
-  items.swap(balanced);
+  pagedllm::interleave_by_position(items);  // a tile's cost grows with its position
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_chunked_attention", [&] {
     dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, out, items, static_cast<float>(scale),

@@ -32,6 +32,7 @@
 
 #include "amx_tiles.h"
 #include "vec_math.h"
+#include "work_order.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace {
@@ -121,10 +122,11 @@ inline void tile_scores(const uint16_t* q, const uint32_t* kb, int64_t head_dim,
 inline void tile_values(const uint16_t* probs, const uint16_t* vb, int64_t head_dim, float* pv) {
   _tile_loadd(4, probs, kKeys * 2);
   _tile_loadd(5, probs + 32, kKeys * 2);
-  const int64_t v_stride = head_dim * 4, second = 16 * head_dim * 2;  // bytes per key pair; keys 32-63
+  const int64_t v_stride = head_dim * 4, second = 16 * head_dim * 2;  // bytes per key pair; elements to key 32
   for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
     zero_sums();
     const uint16_t* vd = vb + d0 * 2;
+    // Written out: the tile intrinsics take their register numbers as literals.
     _tile_loadd(6, vd, v_stride);
     _tile_loadd(7, vd + second, v_stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -317,23 +319,15 @@ torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, t
                 reinterpret_cast<uint32_t*>(keys.get() + offset), values.get() + offset);
     }
   });
-  // An item's cost grows with its position; ordered cheapest, dearest, next cheapest, ... every
-  // thread's contiguous range of items holds about the same work.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.first_pos < b.first_pos; });
-  std::vector<Item> balanced;
-  balanced.reserve(items.size());
-  for (size_t lo = 0, hi = items.size(); lo < hi;) {
-    balanced.push_back(items[lo++]);
-    if (lo < hi) balanced.push_back(items[--hi]);
-  }
+  pagedllm::interleave_by_position(items);  // an item's cost grows with its position
   const uint16_t* q_data = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   uint16_t* o_data = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t q_stride = num_heads * head_dim;
-  at::parallel_for(0, static_cast<int64_t>(balanced.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     pagedllm::configure_full_tiles();
     Scratch scratch(group, head_dim);
     for (int64_t i = begin; i < end; ++i) {
-      const Item& item = balanced[i];
+      const Item& item = items[i];
       const int64_t padded = (lens[item.seq] + kKeys - 1) / kKeys * kKeys;
       const int64_t offset = offsets[item.seq] + item.kv_head * padded * head_dim;
       attend_item(item, group, q_data, q_stride, reinterpret_cast<const uint32_t*>(keys.get() + offset),
