@@ -48,6 +48,13 @@ constexpr int kTile = 12;       // rows per register tile: 24 accumulators
 // and did not slow 64 rows.
 constexpr int64_t kRowBlockBytes = 64 * 1024;
 
+// How far ahead of the micro-kernel a panel is prefetched, in panel rows (4 KB of float32, or of
+// bfloat16 input pairs). The hardware prefetcher alone left the weight loads stalling between the
+// FMAs: a float32 call took about its memory time plus its arithmetic time instead of the larger
+// of the two (1-64 rows 15-24% faster with this prefetch on a 2-core AMX machine). At a panel's
+// end it runs on into the next panel, which the same thread takes next.
+constexpr int64_t kPrefetchRows = 32;
+
 // Rows per block for rows of row_bytes: a multiple of `unit` (the micro-kernel's rows), at least one.
 inline int64_t row_block_rows(int64_t row_bytes, int64_t unit) {
   return std::max<int64_t>(unit, kRowBlockBytes / row_bytes / unit * unit);
@@ -72,6 +79,8 @@ inline void tile_f32(const float* __restrict__ x, int64_t ldx, const float* __re
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   const float* w = panel;
   for (int64_t k = 0; k < k_dim; ++k, w += kPanel) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * kPanel + 16), _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     for (int m = 0; m < ROWS; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
@@ -92,6 +101,8 @@ inline void tile_bf16(const uint16_t* __restrict__ x, int64_t ldx, const uint16_
   const uint16_t* w = panel;
   const int64_t pairs = k_dim / 2;
   for (int64_t kp = 0; kp < pairs; ++kp, w += 2 * kPanel) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * 2 * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * 2 * kPanel + 32), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     for (int m = 0; m < ROWS; ++m) {
       int32_t both;
