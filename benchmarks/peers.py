@@ -45,6 +45,10 @@ own default precision on this CPU: pagedllm and vLLM with ``dtype="auto"``, Open
 precision hints (bf16 compute with a u8 KV cache where the CPU has bf16). Token agreement is checked
 in float32 only. Peer logs: CACHE/logs/WORKLOAD-ENGINE-DTYPE.log.
 
+Prefix caching is off in every engine (pagedllm, vLLM, OpenVINO GenAI) unless ``--prefix-caching``
+turns it on in every engine that has one: the measured runs repeat the warm-up's prompts, so an
+engine with its cache on would skip the prefill that one with it off computes.
+
 The GEMM roofline of the workload (benchmarks/roofline.py) is measured on the idle machine before any
 engine starts and again after all have stopped; both are printed, and each engine's share of the
 higher one (a figure above it is reported as a roofline error, not as a percentage).
@@ -476,14 +480,14 @@ class Engine:
 
 
 class PagedLLMEngine(Engine):
-    def __init__(self, wl: Workload, dtype: str, threads: int, warmup_cap: int) -> None:
+    def __init__(self, wl: Workload, dtype: str, threads: int, warmup_cap: int, prefix_caching: bool) -> None:
         super().__init__("pagedllm", dtype)
         from pagedllm import LLM
 
         start = time.perf_counter()
         # "native": pagedllm's own default precision for this checkpoint on this CPU.
         self.llm = LLM(model=wl.model_dir, dtype="auto" if dtype == "native" else dtype, kv_cache_memory="2GiB",
-                       num_threads=threads)
+                       num_threads=threads, enable_prefix_caching=prefix_caching)
         self.startup_s = time.perf_counter() - start
         self.workloads = {"full": {"prompts": wl.prompts, "max_tokens": wl.max_tokens}, "warmup": wl.warmup(warmup_cap)}
 
@@ -654,6 +658,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers-dir", default=None, help="folder made by benchmarks/setup_peers.sh")
     parser.add_argument("--engines", nargs="+", default=None,
                         help="run only these (pagedllm, transformers, and peer names)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="engines with a prefix cache keep it on, so the measured runs find the warm-up's "
+                             "prompts cached (default: off in every engine: each run computes every prompt)")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled)")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "peers"))
     parser.add_argument("--prepare-only", action="store_true", help="build and convert the models, run nothing")
@@ -666,14 +673,17 @@ def start_engines(args, wl: Workload, dtype: str, peers: dict[str, str], workloa
     engines: list[Engine] = []
     plan: list[tuple[str, Any]] = []
     if not wanted or "pagedllm" in wanted:
-        plan.append(("pagedllm", lambda: PagedLLMEngine(wl, dtype, args.threads, args.warmup_tokens)))
+        plan.append(("pagedllm", lambda: PagedLLMEngine(wl, dtype, args.threads, args.warmup_tokens,
+                                                                 args.prefix_caching)))
     if not wanted or "transformers" in wanted:
         plan.append(("transformers", lambda: TransformersEngine(wl, dtype, args.threads, args.warmup_tokens,
                                                                  args.hf_batch_size)))
     workload_dir = os.path.dirname(wl.model_dir)
     for engine, python in peers.items():
         model, _ = peer_model_path(engine, workload_dir, wl.model_dir, dtype)
-        options = {"enforce_eager": args.vllm_eager} if engine == "vllm" else {}
+        options = {"prefix_caching": args.prefix_caching}
+        if engine == "vllm":
+            options["enforce_eager"] = args.vllm_eager
         log = os.path.join(args.cache_dir, "logs", f"{wl.name}-{engine}-{dtype}.log")
 
         def make(engine=engine, python=python, model=model, options=options, log=log):
@@ -759,7 +769,7 @@ def report(all_engines: list[Engine], wl: Workload) -> list[dict[str, Any]]:
 ROOFLINE_DTYPES = ("float32", "bfloat16")
 
 
-def measure_rooflines(wl: Workload, dtypes: list[str], threads: int) -> dict[str, dict]:
+def measure_rooflines(wl: Workload, dtypes: list[str], threads: int, prompts_cached: bool) -> dict[str, dict]:
     """The workload's GEMM roofline per float dtype run (benchmarks/roofline.py), measured now."""
     import torch
     from roofline import describe, measure_roofline
@@ -770,9 +780,9 @@ def measure_rooflines(wl: Workload, dtypes: list[str], threads: int) -> dict[str
     requests = list(zip(map(len, wl.prompts), wl.max_tokens))
     ceilings = {}
     for dtype in (d for d in ROOFLINE_DTYPES if d in dtypes):
-        # Every measured run repeats the requests the warm-up ran: engines with prefix caching (pagedllm,
-        # vLLM, OpenVINO GenAI) find the prompts cached, so the ceiling counts one prompt token each.
-        ceilings[dtype] = measure_roofline(config, requests, getattr(torch, dtype), prompts_cached=True)
+        # With --prefix-caching every measured run finds the warm-up's prompts cached, so the ceiling
+        # counts one prompt token each; otherwise every prompt is computed.
+        ceilings[dtype] = measure_roofline(config, requests, getattr(torch, dtype), prompts_cached=prompts_cached)
         print(describe(ceilings[dtype]), flush=True)
     return ceilings
 
@@ -809,13 +819,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare_only:
         return 0
 
-    print(f"{len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, {wl.output_tokens} output tokens")
+    caching = "on (warm-up prompts cached)" if args.prefix_caching else "off (every run computes every prompt)"
+    print(f"{len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, {wl.output_tokens} output tokens; "
+          f"prefix caching {caching} in every engine")
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > 0.5 * cores:
         print(f"warning: load average {load:.1f} on {cores} cores before starting: other work shares the CPU, and "
               f"{args.threads}-thread OpenMP engines slow down far more than the share they lose; figures are noisy")
     print("GEMM roofline before any engine starts:")
-    before = measure_rooflines(wl, args.dtypes, args.threads)
+    before = measure_rooflines(wl, args.dtypes, args.threads, args.prefix_caching)
     all_engines: list[Engine] = []
     with tempfile.TemporaryDirectory() as tmp:
         workload_file = os.path.join(tmp, "workload.json")
@@ -831,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
             all_engines += engines
     print("GEMM roofline after every engine stopped:")
-    after = measure_rooflines(wl, args.dtypes, args.threads)
+    after = measure_rooflines(wl, args.dtypes, args.threads, args.prefix_caching)
     rows = report(all_engines, wl)
     print_rooflines(before, after, rows)
     if args.json:

@@ -34,7 +34,7 @@ def load(model: str, dtype: str, threads: int, options: dict, workloads: dict):
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = 2  # GB, as the other engines' KV pools
     scheduler.max_num_seqs = 256
-    scheduler.enable_prefix_caching = False
+    scheduler.enable_prefix_caching = bool(options.get("prefix_caching", False))
     properties = {"INFERENCE_NUM_THREADS": threads, **PRECISION[dtype]}
     pipeline = ov_genai.ContinuousBatchingPipeline(model, scheduler, "CPU", properties)
 

@@ -33,7 +33,8 @@ def load(model: str, dtype: str, threads: int, options: dict, workloads: dict):
     longest = max(len(ids) + n for spec in workloads.values() for ids, n in zip(spec["prompts"], spec["max_tokens"]))
     # "native": vLLM's own default precision for this checkpoint on this CPU.
     llm = LLM(model=model, dtype="auto" if dtype == "native" else dtype, skip_tokenizer_init=True, seed=0,
-              max_num_seqs=256, max_model_len=longest, enforce_eager=bool(options.get("enforce_eager", False)))
+              max_num_seqs=256, max_model_len=longest, enforce_eager=bool(options.get("enforce_eager", False)),
+              enable_prefix_caching=bool(options.get("prefix_caching", False)))
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in max_tokens]
