@@ -49,9 +49,10 @@ Prefix caching is off in every engine (pagedllm, vLLM, OpenVINO GenAI) unless ``
 turns it on in every engine that has one: the measured runs repeat the warm-up's prompts, so an
 engine with its cache on would skip the prefill that one with it off computes.
 
-The GEMM roofline of the workload (benchmarks/roofline.py) is measured on the idle machine before any
-engine starts and again after all have stopped; both are printed, and each engine's share of the
-higher one (a figure above it is reported as a roofline error, not as a percentage).
+The roofline of the workload (benchmarks/roofline.py: its GEMMs, and attention with its KV-cache
+reads) is measured on the idle machine before any engine starts and again after all have stopped;
+both are printed, and each engine's share of the higher one (a figure above it is reported as a
+roofline error, not as a percentage).
 """
 
 from __future__ import annotations
@@ -770,7 +771,7 @@ ROOFLINE_DTYPES = ("float32", "bfloat16")
 
 
 def measure_rooflines(wl: Workload, dtypes: list[str], threads: int, prompts_cached: bool) -> dict[str, dict]:
-    """The workload's GEMM roofline per float dtype run (benchmarks/roofline.py), measured now."""
+    """The workload's roofline per float dtype run (benchmarks/roofline.py), measured now."""
     import torch
     from roofline import describe, measure_roofline
     from transformers import AutoConfig
@@ -826,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5 * cores:
         print(f"warning: load average {load:.1f} on {cores} cores before starting: other work shares the CPU, and "
               f"{args.threads}-thread OpenMP engines slow down far more than the share they lose; figures are noisy")
-    print("GEMM roofline before any engine starts:")
+    print("roofline before any engine starts:")
     before = measure_rooflines(wl, args.dtypes, args.threads, args.prefix_caching)
     all_engines: list[Engine] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -842,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                 for engine in engines:
                     engine.close()
             all_engines += engines
-    print("GEMM roofline after every engine stopped:")
+    print("roofline after every engine stopped:")
     after = measure_rooflines(wl, args.dtypes, args.threads, args.prefix_caching)
     rows = report(all_engines, wl)
     print_rooflines(before, after, rows)

@@ -12,8 +12,11 @@ Every (rows, projection) shape is timed here, on the model's real number of weig
 layer, cycled as a forward pass does, so the weights stream from memory as they do in a serving
 step instead of sitting in cache), by each available path: torch's F.linear (MKL), oneDNN with
 weights reordered once, our panel kernel (pagedllm.models.cpu_gemm); the fastest counts per shape.
-Row counts between the timed ones are interpolated. Attention's two products are added at the best
-GEMM rate seen (on these workloads they are a few percent of the work); norms, rope, sampling and
+Row counts between the timed ones are interpolated. Attention costs the larger of two bounds: its two
+products at the best GEMM rate seen, and reading every cached key and value it attends once at
+the machine's read bandwidth (benchmarks/bandwidth.py, measured here). The second is what decode
+pays: each decode query reads its sequence's whole context, which for 64 float32 sequences of 300
+tokens on the default model is ~0.9 GB per step, more than its weights. Norms, rope, sampling and
 everything else count as free. The result is a ceiling: a measured engine above 100% of it means
 the ceiling is wrong, and ``report`` says so instead of printing the figure.
 
@@ -44,6 +47,7 @@ class ModelShapes:
     projections: tuple[tuple[str, int, int], ...]  # (name, in features, out features) of one layer
     head: tuple[int, int]  # LM head (hidden, vocab)
     attention_flops_per_context_token: int  # both products, all layers, one query token
+    kv_values_per_token: int  # cached keys and values of one position, all layers
 
 
 def model_shapes(hf_config) -> ModelShapes:
@@ -58,12 +62,14 @@ def model_shapes(hf_config) -> ModelShapes:
     else:  # gated MLP: gate and up in one GEMM, then down
         projections += [("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)]
     layers = hf_config.num_hidden_layers
-    return ModelShapes(layers, tuple(projections), (hidden, hf_config.vocab_size), 4 * heads * head_dim * layers)
+    return ModelShapes(layers, tuple(projections), (hidden, hf_config.vocab_size), 4 * heads * head_dim * layers,
+                       2 * kv_heads * head_dim * layers)
 
 
 def ideal_schedule(requests: list[tuple[int, int]], prefill_rows: int,
-                   prompts_cached: bool = False) -> tuple[Counter, Counter, int]:
-    """(layer row counts -> steps, LM-head row counts -> steps, attended context tokens summed over queries).
+                   prompts_cached: bool = False) -> tuple[Counter, Counter, int, int]:
+    """(layer row counts -> steps, LM-head row counts -> steps, attended context tokens summed over queries,
+    cached positions attention must read at least once: each prompt once, each decode query's context).
 
     ``prompts_cached``: every prompt is already in a prefix cache (a benchmark that repeats its
     requests): only each prompt's last token runs, to give the logits of the first output token."""
@@ -76,12 +82,15 @@ def ideal_schedule(requests: list[tuple[int, int]], prefill_rows: int,
         layer_steps[rest] += 1
     head_steps[len(requests)] += 1  # each prompt's last position samples the first output token
     context = sum(p if prompts_cached else p * (p + 1) // 2 for p, _ in requests)
+    kv_reads = sum(p for p, _ in requests)
     for step in range(1, max((o for _, o in requests), default=0)):
         rows = sum(1 for _, o in requests if o > step)
         layer_steps[rows] += 1
         head_steps[rows] += 1
-        context += sum(p + step + 1 for p, o in requests if o > step)
-    return layer_steps, head_steps, context
+        decode_context = sum(p + step + 1 for p, o in requests if o > step)
+        context += decode_context
+        kv_reads += decode_context
+    return layer_steps, head_steps, context, kv_reads
 
 
 def _gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
@@ -145,7 +154,9 @@ def measure_roofline(hf_config, requests: list[tuple[int, int]], dtype: torch.dt
                      prefill_rows: int = 256, prompts_cached: bool = False) -> dict:
     """The workload's GEMM ceiling here; a dict of its figures (see ``report``)."""
     shapes = model_shapes(hf_config)
-    layer_steps, head_steps, context = ideal_schedule(requests, prefill_rows, prompts_cached)
+    from bandwidth import measure_read_bandwidth
+
+    layer_steps, head_steps, context, kv_reads = ideal_schedule(requests, prefill_rows, prompts_cached)
     layer_seconds = 0.0
     paths: Counter = Counter()
     flops = best_rate = 0.0
@@ -163,7 +174,10 @@ def measure_roofline(hf_config, requests: list[tuple[int, int]], dtype: torch.dt
     gemm_seconds = layer_seconds + head_seconds
     rate = flops / gemm_seconds
     best_rate = max(best_rate, *(2 * m * k * n / t for m, (t, _) in timed.items()))
-    attention_seconds = context * shapes.attention_flops_per_context_token / best_rate
+    attention_flop_seconds = context * shapes.attention_flops_per_context_token / best_rate
+    read_rate = measure_read_bandwidth(torch.get_num_threads())
+    kv_read_seconds = kv_reads * shapes.kv_values_per_token * torch.finfo(dtype).bits / 8 / read_rate
+    attention_seconds = max(attention_flop_seconds, kv_read_seconds)
     output_tokens = sum(o for _, o in requests)
     return {
         "dtype": str(dtype).removeprefix("torch."),
@@ -172,21 +186,29 @@ def measure_roofline(hf_config, requests: list[tuple[int, int]], dtype: torch.dt
         "layer_gemm_s": layer_seconds,
         "lm_head_s": head_seconds,
         "attention_s": attention_seconds,
+        "attention_flop_s": attention_flop_seconds,
+        "kv_read_s": kv_read_seconds,
+        "read_bytes_per_s": read_rate,
         "gemm_flop_per_s": rate,
         "best_gemm_flop_per_s": best_rate,
         "fastest_path_counts": dict(paths),
         "roofline_tok_per_s": output_tokens / (gemm_seconds + attention_seconds),
+        # The earlier ceiling, attention at the GEMM rate only (no KV reads): higher, for comparison.
+        "gemm_only_tok_per_s": output_tokens / (gemm_seconds + attention_flop_seconds),
     }
 
 
 def describe(figures: dict) -> str:
     cached = ", prompts prefix-cached" if figures["prompts_cached"] else ""
-    return (f"GEMM roofline ({figures['dtype']}, {figures['threads']} threads{cached}): "
-            f"layers {figures['layer_gemm_s']:.2f} s + LM head {figures['lm_head_s']:.2f} s "
-            f"+ attention {figures['attention_s']:.2f} s at the workload's "
+    return (f"roofline ({figures['dtype']}, {figures['threads']} threads{cached}): "
+            f"layers {figures['layer_gemm_s']:.2f} s + LM head {figures['lm_head_s']:.2f} s at the workload's "
             f"shapes ({figures['gemm_flop_per_s'] / 1e9:.0f} GFLOP/s on average, best shape "
             f"{figures['best_gemm_flop_per_s'] / 1e9:.0f}; fastest path per shape: {figures['fastest_path_counts']}) "
-            f"-> {figures['roofline_tok_per_s']:.1f} output tok/s")
+            f"+ attention {figures['attention_s']:.2f} s (the larger of its products at the best rate, "
+            f"{figures['attention_flop_s']:.2f} s, and reading the KV cache at "
+            f"{figures['read_bytes_per_s'] / 1e9:.1f} GB/s, {figures['kv_read_s']:.2f} s) "
+            f"-> {figures['roofline_tok_per_s']:.1f} output tok/s "
+            f"(GEMMs and attention's products alone: {figures['gemm_only_tok_per_s']:.1f})")
 
 
 def share_of_roofline(value: float, ceiling: float) -> str:
@@ -202,8 +224,10 @@ def report(figures: list[dict], measured: dict[str, float]) -> None:
     for label, fig in zip(("before the engines", "after the engines", "again"), figures):
         print(f"{label}: {describe(fig)}")
     ceiling = max(f["roofline_tok_per_s"] for f in figures)
+    gemm_only = max(f["gemm_only_tok_per_s"] for f in figures)
     for name, value in measured.items():
-        print(f"  {name:28s} {value:8.1f} tok/s = {share_of_roofline(value, ceiling)}")
+        print(f"  {name:28s} {value:8.1f} tok/s = {share_of_roofline(value, ceiling)} "
+              f"({100 * value / gemm_only:.1f}% of GEMMs and attention's products alone)")
 
 
 def main() -> None:
