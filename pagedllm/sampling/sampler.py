@@ -165,9 +165,10 @@ class Sampler:
         # kernel is built, not a [N, V] log_softmax; under grammars, a pass over the allowed tokens only.
         fused_greedy = plain_greedy and not return_full_logprobs and not wants_top
         picked = greedy_pick(logits) if fused_greedy and not constrained else None  # reads bfloat16 as is
-        logits = logits.float()
-        if fused_greedy and constrained:
-            picked = greedy_pick_masked(logits, bitmasks)
+        if picked is None:  # every other path reads float32 logits (a copy of [N, V] when they are not)
+            logits = logits.float()
+            if fused_greedy and constrained:
+                picked = greedy_pick_masked(logits, bitmasks)
         raw_logprobs = None
         if picked is not None:
             token_ids, chosen_logprobs = picked
