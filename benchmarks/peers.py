@@ -675,7 +675,7 @@ def start_engines(args, wl: Workload, dtype: str, peers: dict[str, str], workloa
     plan: list[tuple[str, Any]] = []
     if not wanted or "pagedllm" in wanted:
         plan.append(("pagedllm", lambda: PagedLLMEngine(wl, dtype, args.threads, args.warmup_tokens,
-                                                                 args.prefix_caching)))
+                                                        args.prefix_caching)))
     if not wanted or "transformers" in wanted:
         plan.append(("transformers", lambda: TransformersEngine(wl, dtype, args.threads, args.warmup_tokens,
                                                                  args.hf_batch_size)))

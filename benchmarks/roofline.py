@@ -152,7 +152,7 @@ def _timed_rows(needed: set[int]) -> list[int]:
 
 def measure_roofline(hf_config, requests: list[tuple[int, int]], dtype: torch.dtype = torch.float32,
                      prefill_rows: int = 256, prompts_cached: bool = False) -> dict:
-    """The workload's GEMM ceiling here; a dict of its figures (see ``report``)."""
+    """The workload's ceiling here (GEMMs, attention's products or KV reads); a dict of its figures (see ``report``)."""
     shapes = model_shapes(hf_config)
     from bandwidth import measure_read_bandwidth
 

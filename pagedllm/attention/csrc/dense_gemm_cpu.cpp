@@ -52,7 +52,8 @@ constexpr int64_t kRowBlockBytes = 64 * 1024;
 // bfloat16 input pairs). The hardware prefetcher alone left the weight loads stalling between the
 // FMAs: a float32 call took about its memory time plus its arithmetic time instead of the larger
 // of the two (1-64 rows 15-24% faster with this prefetch on a 2-core AMX machine). At a panel's
-// end it runs on into the next panel, which the same thread takes next.
+// end it runs on into the next panel, which the same thread takes next (past the last panel it
+// names memory the kernel never reads: a prefetch is a hint and cannot fault).
 constexpr int64_t kPrefetchRows = 32;
 
 // Rows per block for rows of row_bytes: a multiple of `unit` (the micro-kernel's rows), at least one.

@@ -2,8 +2,9 @@
 // place through the block table (no gathered copy of the context).
 //
 // One work item is one sequence: a block's slots hold all KV heads side by side, so walking a
-// block slot by slot and handling every head at once streams the block from memory in order
-// (splitting by head instead made each pass skip 2/3 of every row and doubled the DRAM traffic).
+// block four slots at a time and handling every head at once streams the block from memory in
+// order (splitting by head instead made each pass skip 2/3 of every row and doubled the DRAM
+// traffic), while the next block is prefetched.
 // The query heads that share a KV head (grouped-query attention) are handled together so each
 // key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes so the
 // compiler unrolls and vectorises the dot products; other sizes take the generic instance.
@@ -102,7 +103,7 @@ inline void group_axpys_avx512(const float* __restrict__ p, const scalar_t* __re
 }
 
 // The four sums of a, b, c and d in one register: 13 instructions where four separate horizontal
-// sums take about 32, which made them the largest cost of a score.
+// sums take about 32.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d.
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
