@@ -186,6 +186,31 @@ PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 32)
 PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 64)
 PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 128)
 #undef PAGEDLLM_AVX512_GROUP_OPS
+
+// One head's scores -> exp(score - max) in place; returns their sum. exp16 instead of the
+// compiler's libmvec call: with bfloat16 caches the kernel is bound by arithmetic, and the
+// exponentials were a large share of it.
+inline float exp_and_sum(float* __restrict__ s, int64_t length) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= length; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+  float max_score = _mm512_reduce_max_ps(top);
+  for (; t < length; ++t) max_score = std::max(max_score, s[t]);
+  const __m512 shift = _mm512_set1_ps(max_score);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= length; t += 16) {
+    const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < length) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (length - t)) - 1u);
+    const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, s + t), shift));
+    _mm512_mask_storeu_ps(s + t, rest, e);
+    sum = _mm512_mask_add_ps(sum, rest, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
 #endif
 
 // Loads one slot row (every KV head of one token) of the sequence's next block into the cache.
@@ -264,8 +289,13 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
       if (soft_cap > 0.f) {
         for (int64_t t = 0; t < num_heads * length; ++t) scores[t] = soft_cap * std::tanh(scores[t]);
       }
+      // Softmax numerators in place; 1 / sum is applied to the output (one multiply per value, not
+      // per score).
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * length;
+#if defined(__AVX512F__)
+        inv_sum[h] = 1.f / exp_and_sum(s, length);
+#else
         const float max_score = *std::max_element(s, s + length);
         float sum = 0.f;
         // simd: lets the compiler use libmvec's vector exp instead of one expf per token.
@@ -274,7 +304,8 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
           s[t] = std::exp(s[t] - max_score);
           sum += s[t];
         }
-        inv_sum[h] = 1.f / sum;  // applied to the output: one multiply per value, not per score
+        inv_sum[h] = 1.f / sum;
+#endif
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = first; pos < context;) {
