@@ -116,15 +116,21 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// Four consecutive rows (row_stride apart) as float32: rows[t][r] holds values 16r .. 16r + 15 of row t.
+template <typename scalar_t, int HEAD_DIM>
+inline void load_rows4(const scalar_t* __restrict__ p, int64_t row_stride, __m512 (&rows)[4][HEAD_DIM / 16]) {
+  for (int t = 0; t < 4; ++t) {
+    for (int r = 0; r < HEAD_DIM / 16; ++r) rows[t][r] = load16(p + t * row_stride + 16 * r);
+  }
+}
+
 // Four key rows are loaded once for the group; per query head, four dot products end in one sum4.
 template <typename scalar_t, int HEAD_DIM>
 inline void group_dots4_avx512(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t row_stride,
                                int64_t group, float* __restrict__ s, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 kr[4][R];
-  for (int t = 0; t < 4; ++t) {
-    for (int r = 0; r < R; ++r) kr[t][r] = load16(k + t * row_stride + 16 * r);
-  }
+  load_rows4<scalar_t, HEAD_DIM>(k, row_stride, kr);
   for (int64_t j = 0; j < group; ++j) {
     const float* qj = q + j * HEAD_DIM;
     __m512 acc[4];
@@ -145,9 +151,7 @@ inline void group_axpys4_avx512(const float* __restrict__ p, const scalar_t* __r
                                 int64_t group, float* __restrict__ acc, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 vr[4][R];
-  for (int t = 0; t < 4; ++t) {
-    for (int r = 0; r < R; ++r) vr[t][r] = load16(v + t * row_stride + 16 * r);
-  }
+  load_rows4<scalar_t, HEAD_DIM>(v, row_stride, vr);
   for (int64_t j = 0; j < group; ++j) {
     const float* pj = p + j * stride;
     float* a = acc + j * HEAD_DIM;
