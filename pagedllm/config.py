@@ -82,6 +82,10 @@ class SchedulerConfig:
     # (one step to their first token) while a long prompt advances in chunks that bound how long
     # it holds up the running streams.
     long_prompt_chunk_tokens: int = 0
+    # With chunking: in a step that decodes, prompt chunks take at most this many tokens in all
+    # (0: the budget's rest). A prompt that arrives while streams decode then holds each of them
+    # up by a bounded chunk per step, while one that arrives at an idle engine gets the whole budget.
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -99,6 +103,11 @@ class SchedulerConfig:
         if self.long_prompt_chunk_tokens < 0:
             raise ValueError(
                 f"long_prompt_chunk_tokens must be >= 0 (0: no limit), got {self.long_prompt_chunk_tokens}."
+            )
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be >= 0 (0: no limit), "
+                f"got {self.max_prefill_tokens_while_decoding}."
             )
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(
@@ -171,6 +180,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     long_prompt_chunk_tokens: int = 256
+    max_prefill_tokens_while_decoding: int = 0
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
 

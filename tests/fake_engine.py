@@ -163,6 +163,7 @@ def make_scheduler(
     batching: str = "iteration",
     long_prefill_token_threshold: int = 0,
     long_prompt_chunk_tokens: int = 0,
+    max_prefill_tokens_while_decoding: int = 0,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -175,6 +176,7 @@ def make_scheduler(
         batching=batching,
         long_prefill_token_threshold=long_prefill_token_threshold,
         long_prompt_chunk_tokens=long_prompt_chunk_tokens,
+        max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
     )
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, num_gpu_blocks, num_cpu_blocks)

@@ -115,6 +115,38 @@ def test_prompts_over_the_budget_in_long_prompt_chunks_equal_transformers(llama_
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_prompt_tokens_capped_while_decoding_equal_transformers(llama_dir, prompts_and_expected, caching):
+    """Budget 64, at most 5 prompt tokens in a step that decodes: the first prompts run whole,
+    the rest advance 5 tokens a step beside the decodes."""
+    prompts, expected = prompts_and_expected
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64,
+              max_prefill_tokens_while_decoding=5, enable_prefix_caching=caching)
+    scheduler = llm.llm_engine.scheduler
+    steps: list[tuple[int, int]] = []  # (decode tokens, prompt tokens)
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        decodes = prompt = 0
+        for group in out.scheduled_seq_groups:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                tokens = out.num_scheduled_tokens.get(seq.seq_id, 0)
+                if seq.get_num_uncomputed_tokens() == 1 and seq.output_token_ids:
+                    decodes += tokens
+                else:
+                    prompt += tokens
+        steps.append((decodes, prompt))
+        return out
+
+    scheduler.schedule = recording_schedule
+    assert [ids[0] for ids in _generate(llm, prompts, GREEDY)] == expected
+    assert max(prompt for decodes, prompt in steps if not decodes) > 5  # no decodes: the whole budget
+    assert any(decodes and prompt for decodes, prompt in steps)
+    assert all(prompt <= 5 for decodes, prompt in steps if decodes)
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_the_middle_of_a_chunked_prompt(llama_dir, prompts_and_expected, mode):
     prompts, expected = prompts_and_expected

@@ -154,6 +154,8 @@ def test_long_prefill_threshold_is_validated() -> None:
         SchedulerConfig(long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="long_prompt_chunk_tokens"):
         SchedulerConfig(long_prompt_chunk_tokens=-1)
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=-1)
 
 
 def test_prompts_within_the_budget_run_whole_longer_ones_in_capped_chunks() -> None:
@@ -174,6 +176,26 @@ def test_prompts_within_the_budget_run_whole_longer_ones_in_capped_chunks() -> N
     assert len(long.seqs[0].output_token_ids) == 2 and len(short.seqs[0].output_token_ids) == 2
 
 
+def test_prompt_tokens_are_capped_only_in_steps_that_decode() -> None:
+    engine = chunked(max_num_batched_tokens=32, max_prefill_tokens_while_decoding=8, max_model_len=512,
+                     enable_prefix_caching=False)
+    a = engine.add("a", 30, max_tokens=4, arrival_time=1.0)
+    out = engine.step()
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 30} and out.num_decode_tokens == 0  # idle: whole
+    b = engine.add("b", 12, max_tokens=2, arrival_time=2.0)
+    c = engine.add("c", 3, max_tokens=2, arrival_time=3.0)
+    out = engine.step()
+    # a decodes, so b and c share 8 prompt tokens, first come first served (b stops short of its end).
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 1, b.seqs[0].seq_id: 8}
+    assert out.num_decode_tokens == 1 and out.num_batched_tokens == 9
+    out = engine.step()
+    assert out.num_scheduled_tokens == {a.seqs[0].seq_id: 1, b.seqs[0].seq_id: 4, c.seqs[0].seq_id: 3}
+    engine.run()
+    assert all(len(g.seqs[0].output_token_ids) == g.sampling_params.max_tokens for g in (a, b, c))
+    assert all(out.num_batched_tokens - out.num_decode_tokens <= 8 for out in engine.history if out.num_decode_tokens)
+    assert engine.bm.all_free()
+
+
 # ------------------------------------------------------------------------------ property test
 
 
@@ -192,9 +214,10 @@ def test_prompts_within_the_budget_run_whole_longer_ones_in_capped_chunks() -> N
     caching=st.booleans(),
     threshold=st.sampled_from([0, 0, 1, 4, 9]),
     long_chunk=st.sampled_from([0, 0, 1, 3, 8]),
+    decoding_cap=st.sampled_from([0, 0, 1, 5, 16]),
 )
 def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks, num_cpu_blocks, mode, caching,
-                                                   threshold, long_chunk):
+                                                   threshold, long_chunk, decoding_cap):
     """Random arrivals, lengths and budgets: no step exceeds the budget or the pool, every request
     finishes with the outputs of an unconstrained run, no block leaks, and among prompts of equal
     length the first tokens come in arrival order."""
@@ -218,12 +241,15 @@ def test_property_budget_pool_completion_and_fcfs(requests, budget, extra_blocks
 
     engine = run(chunked(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=8,
                          max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=caching,
-                         long_prefill_token_threshold=threshold, long_prompt_chunk_tokens=long_chunk))
+                         long_prefill_token_threshold=threshold, long_prompt_chunk_tokens=long_chunk,
+                         max_prefill_tokens_while_decoding=decoding_cap))
     reference = run(chunked(num_gpu_blocks=4000, max_num_seqs=64, max_num_batched_tokens=4096))
     assert not engine.ignored and set(engine.finished) == {f"r{i}" for i in range(len(requests))}
     assert outputs_of(engine) == outputs_of(reference)
     for out in engine.history:
         assert out.num_batched_tokens <= budget
+        if decoding_cap and out.num_decode_tokens:
+            assert out.num_batched_tokens - out.num_decode_tokens <= decoding_cap
         for group in out.scheduled_seq_groups:
             # No group computes more than the threshold, nor one whose prompt alone is too long for
             # the budget more than long_chunk (decoding, one token per sequence).

@@ -13,8 +13,9 @@ gang-scheduled as one group. Two policies:
 2. If nobody was preempted, swapped groups come back, oldest first.
 3. The rest of the budget goes to prompts, first come first served: groups whose prompt is
    partly computed (they keep their blocks), then waiting groups, admitted while blocks and
-   the budget allow. A prompt longer than what is left of the budget gets a chunk and
-   continues next step; prefix-cache hits skip their tokens. The sequences of a group finish
+   the budget allow (in a step that decodes, at most ``max_prefill_tokens_while_decoding``
+   prompt tokens in all, when set). A prompt longer than what is left of the budget gets a chunk
+   and continues next step; prefix-cache hits skip their tokens. The sequences of a group finish
    their prompts in the same step (so that n samples fork, and beams start, together).
 
 **All prefill or all decode** (the paper and vLLM v0.2; kept for the paper's figures): if any
@@ -65,6 +66,7 @@ class SchedulerOutputs:
     # chunk's length otherwise. A running sequence absent from it computes nothing this step.
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
     num_batched_tokens: int = 0
+    num_decode_tokens: int = 0  # of num_batched_tokens, one per decoding sequence
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), device pool
@@ -242,6 +244,15 @@ class Scheduler:
     def _budget_left(self, outputs: SchedulerOutputs) -> int:
         return self.scheduler_config.max_num_batched_tokens - outputs.num_batched_tokens
 
+    def _prompt_budget_left(self, outputs: SchedulerOutputs) -> int:
+        """What prompt chunks may still take this step: the budget's rest and, in a step that
+        decodes, at most ``max_prefill_tokens_while_decoding`` prompt tokens in all."""
+        left = self._budget_left(outputs)
+        cap = self.scheduler_config.max_prefill_tokens_while_decoding
+        if cap > 0 and outputs.num_decode_tokens > 0:
+            left = min(left, cap - (outputs.num_batched_tokens - outputs.num_decode_tokens))
+        return left
+
     def _add_tokens(self, group: SequenceGroup, chunks: list[tuple[Sequence, int]], outputs: SchedulerOutputs) -> None:
         scheduled = False
         for seq, num_tokens in chunks:
@@ -256,6 +267,7 @@ class Scheduler:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             outputs.blocks_to_copy.extend(self.block_manager.append_slots(seq))
         self._add_tokens(group, [(seq, 1) for seq in group.get_seqs(SequenceStatus.RUNNING)], outputs)
+        outputs.num_decode_tokens += group.num_seqs(SequenceStatus.RUNNING)
 
     def _decode_fits(self, group: SequenceGroup, outputs: SchedulerOutputs) -> bool:
         if not self.scheduler_config.enable_chunked_prefill:
@@ -329,7 +341,7 @@ class Scheduler:
         """Prompt chunks in arrival order: groups already admitted, then waiting groups (none in a
         step that had to preempt: memory is short)."""
         for group in sorted((g for g in self.running if not _is_decoding(g)), key=_arrival):
-            if self._budget_left(outputs) <= 0:
+            if self._prompt_budget_left(outputs) <= 0:
                 return
             self._add_tokens(group, self._prompt_chunks(group, outputs), outputs)
         if preempted or self.swapped or not self._may_admit():
@@ -338,7 +350,7 @@ class Scheduler:
         # computed in chunks over the following steps.
         batch_at_once = self.scheduler_config.batching == "request"
         num_seqs = sum(group.max_num_running_seqs() for group in self.running)
-        while self.waiting and (batch_at_once or self._budget_left(outputs) > 0):
+        while self.waiting and (batch_at_once or self._prompt_budget_left(outputs) > 0):
             group = self.waiting[0]
             plan = self._plan_admission(group, outputs)
             if plan is None:
@@ -359,7 +371,7 @@ class Scheduler:
         sequences finish their prompts (and sample their first tokens) in the same step.
         """
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        left = self._budget_left(outputs)
+        left = self._prompt_budget_left(outputs)
         config = self.scheduler_config
         threshold = config.long_prefill_token_threshold
         if config.long_prompt_chunk_tokens > 0 and sum(seq.get_len() for seq in seqs) > config.max_num_batched_tokens:

@@ -148,6 +148,7 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
+            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         )
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,

@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--long-prompt-chunk-tokens", type=int, default=256,
                        help="With chunked prefill: the most tokens per step of a prompt longer than the step budget "
                        "(prompts within the budget run whole; 0: no limit but the budget).")
+    group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=0,
+                       help="With chunked prefill: the most prompt tokens in all of a step that also decodes, which "
+                       "bounds how long a prompt holds up running streams (0: no limit but the budget).")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
     group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
@@ -86,6 +89,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         preemption_mode=args.preemption_mode,
         kv_allocation=args.kv_allocation,
         batching=args.batching,

@@ -52,6 +52,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         long_prompt_chunk_tokens: int = 256,
+        max_prefill_tokens_while_decoding: int = 0,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -81,6 +82,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             long_prompt_chunk_tokens=long_prompt_chunk_tokens,
+            max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 
