@@ -366,7 +366,8 @@ def test_32_concurrent_streams_then_idle(server, http):
 
 def test_client_disconnect_aborts_and_frees_blocks(server, http):
     before = metric(http, "generation_tokens_total")
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "stream": True, **NO_EOS}
+    # As long as the context (256) allows, so that neither request finishes before its client leaves.
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 250, "stream": True, **NO_EOS}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         with c.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -377,10 +378,10 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http):
     # Aborted well before its 200 tokens; nothing keeps generating after the abort.
     generated = metric(http, "generation_tokens_total") - before
     time.sleep(0.2)
-    assert metric(http, "generation_tokens_total") - before == generated < 200
+    assert metric(http, "generation_tokens_total") - before == generated < 250
     # A non-streaming request whose client times out is aborted too.
     with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 240}, timeout=0.3)
+        http.post("/v1/completions", json={**body, "stream": False}, timeout=0.05)
     wait_idle(http)
 
 

@@ -104,10 +104,6 @@ def build_app(
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
     template = load_chat_template(chat_template)
-    if engine is None:
-        from pagedllm.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine.from_engine_args(engine_args or EngineArgs())
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
@@ -116,7 +112,13 @@ def build_app(
         model = engine_args.model if engine_args is not None else None
         names = [model if model else DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncLLMEngine(engine, output_observer=metrics.observe_output, on_dead=on_engine_dead)
+    if engine is None:
+        async_engine = AsyncLLMEngine.from_engine_args(
+            engine_args or EngineArgs(), output_observer=metrics.observe_output, on_dead=on_engine_dead
+        )
+        engine = async_engine.engine
+    else:
+        async_engine = AsyncLLMEngine(engine, output_observer=metrics.observe_output, on_dead=on_engine_dead)
     metrics.requests_in_flight = lambda: async_engine.num_requests_in_flight
     model_config = engine.model_config
     ctx = ServingContext(
