@@ -2,7 +2,8 @@
 
 LLMEngine is not thread-safe, so every call into it (add, abort, step, stats) runs on ONE worker
 thread, a single-thread executor: calls are serialized in submission order and the event loop
-never blocks on a step (the server tokenizes prompts on a thread of its own, not this one). A
+never blocks on a step (the server tokenizes prompts on a thread of its own, not this one).
+``from_engine_args`` builds the engine on that thread too, so torch runs on one OpenMP team. A
 background task drives the engine: while there is work it submits ``step()`` and hands each
 RequestOutput to the stream of its request; when there is none it sleeps on an event that
 ``generate`` and ``abort`` set.
