@@ -103,6 +103,29 @@ def test_streams_until_finished_and_engine_runs_on_one_thread() -> None:
     assert len(fake.threads) == 1 and threading.get_ident() not in fake.threads
 
 
+def test_from_engine_args_builds_the_engine_on_its_step_thread(monkeypatch) -> None:
+    """The engine is built on the thread that steps it (torch keeps one OpenMP team per thread)."""
+    from pagedllm.engine import llm_engine
+
+    fake = FakeEngine()
+    built_on: list[int] = []
+
+    def build(args):
+        built_on.append(threading.get_ident())
+        return fake
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_engine_args", staticmethod(build))
+
+    async def main() -> None:
+        engine = AsyncLLMEngine.from_engine_args(object())
+        engine.start()
+        assert (await collect(engine, "r1", 3))[-1].finished
+        await engine.shutdown()
+
+    run(main())
+    assert fake.threads == set(built_on) and threading.get_ident() not in built_on
+
+
 def test_many_concurrent_requests_all_complete() -> None:
     fake = FakeEngine()
 
