@@ -375,7 +375,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http):
             assert any(line.startswith("data: {") for line in received)
             assert metric(http, "num_requests_running") == 1
     wait_idle(http)
-    # Aborted well before its 200 tokens; nothing keeps generating after the abort.
+    # Aborted well before its 250 tokens; nothing keeps generating after the abort.
     generated = metric(http, "generation_tokens_total") - before
     time.sleep(0.2)
     assert metric(http, "generation_tokens_total") - before == generated < 250

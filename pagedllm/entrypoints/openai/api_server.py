@@ -92,7 +92,8 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The FastAPI app serving one engine (built here from engine_args unless ``engine`` is given).
+    """The FastAPI app serving one engine (built here from engine_args, on the engine's own thread,
+    unless ``engine`` is given).
 
     The engine loop starts with the app's lifespan and stops with it; a shutdown fails the
     requests in flight with an error. ``on_engine_dead`` is called once if the engine fails for
