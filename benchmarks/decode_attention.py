@@ -30,7 +30,7 @@ SHAPES = ["64x128", "64x300", "64x500", "8x500", "8x2000"]
 def time_shape(batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, int]:
     """(median seconds per call, bytes of keys and values the call reads)."""
     blocks_per_seq = -(-context // args.block_size)
-    block_bytes = 2 * args.block_size * args.kv_heads * args.head_dim * (torch.finfo(dtype).bits // 8)
+    block_bytes = 2 * args.block_size * args.kv_heads * args.head_dim * dtype.itemsize
     pool = max(batch * blocks_per_seq, args.pool_mib * 2**20 // block_bytes)
     shape = (pool, args.block_size, args.kv_heads, args.head_dim)
     k_cache, v_cache = torch.empty(shape, dtype=dtype).normal_(), torch.empty(shape, dtype=dtype).normal_()
@@ -48,7 +48,7 @@ def time_shape(batch: int, context: int, dtype: torch.dtype, args: argparse.Name
         times.append(time.perf_counter() - start)
     if out is None:
         raise SystemExit("the CPU kernels are not built here")
-    read = batch * context * 2 * args.kv_heads * args.head_dim * k_cache.element_size()
+    read = batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
     return statistics.median(times[2:]), read
 
 

@@ -32,6 +32,11 @@ def prompts_and_expected(llama_dir):
     return prompts, hf_greedy(llama_dir, prompts, NUM_NEW_TOKENS)
 
 
+def _is_decode(seq) -> bool:
+    """Whether a scheduled sequence computes a decode token (not a prompt chunk) this step."""
+    return seq.get_num_uncomputed_tokens() == 1 and bool(seq.output_token_ids)
+
+
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -49,7 +54,7 @@ def test_chunked_greedy_equals_transformers(llama_dir, prompts_and_expected, bud
     def recording_schedule():
         out = schedule()
         kinds = {
-            seq.get_num_uncomputed_tokens() == 1 and bool(seq.output_token_ids)
+            _is_decode(seq)
             for group in out.scheduled_seq_groups for seq in group.get_seqs(SequenceStatus.RUNNING)
             if seq.seq_id in out.num_scheduled_tokens
         }
@@ -132,7 +137,7 @@ def test_prompt_tokens_capped_while_decoding_equal_transformers(llama_dir, promp
         for group in out.scheduled_seq_groups:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 tokens = out.num_scheduled_tokens.get(seq.seq_id, 0)
-                if seq.get_num_uncomputed_tokens() == 1 and seq.output_token_ids:
+                if _is_decode(seq):
                     decodes += tokens
                 else:
                     prompt += tokens
