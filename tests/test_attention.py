@@ -275,3 +275,31 @@ def test_cache_write_kernel_matches_index_copy(dtype):
     with pytest.raises(RuntimeError, match="outside the cache"):
         write_to_cache(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, blocks * block_size]))
 
+
+
+def test_sub_batch_rows_are_a_slice_when_they_are_one_run():
+    """A sub-batch whose rows are one run of the batch selects them with a slice (a view, no index
+    gather or scatter per layer); scattered rows with an index tensor; both select the same rows."""
+    query_lens = [1, 1, 5, 3]
+    starts = [0, 1, 2, 7, 10]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(10),
+        query_lens=query_lens,
+        query_start_loc=starts,
+        context_lens=torch.tensor([4, 6, 5, 9]),
+        block_tables=torch.arange(8).view(4, 2),
+        num_cached_tokens=[3, 5, 0, 6],
+        max_context_len=9,
+    )
+    rows = torch.arange(10) * 10
+    decodes = meta.decode_part
+    assert isinstance(decodes.decode_rows, slice)
+    assert rows[decodes.decode_rows].tolist() == [0, 10]
+    prompts = meta.sub_batch((2, 3))
+    assert isinstance(prompts.decode_rows, slice)
+    assert rows[prompts.decode_rows].tolist() == [20, 30, 40, 50, 60, 70, 80, 90]
+    assert prompts.slot_mapping.tolist() == list(range(2, 10)) and prompts.query_start_loc == [0, 5, 8]
+    scattered = meta.sub_batch((0, 3))
+    assert isinstance(scattered.decode_rows, torch.Tensor)
+    assert rows[scattered.decode_rows].tolist() == [0, 70, 80, 90]
+    assert scattered.context_lens.tolist() == [4, 9] and scattered.block_tables.tolist() == [[0, 1], [6, 7]]

@@ -83,8 +83,10 @@ class AttentionMetadata:
     max_context_len: int
     # Filled lazily by the first layer that needs one (per sliding window; 0: none), reused by the others.
     decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # In a sub-batch (decode_part, sub_batch): its rows in the whole batch.
-    decode_rows: torch.Tensor | None = None
+    # In a sub-batch (decode_part, sub_batch): its rows in the whole batch, a slice when they are
+    # one run (the scheduler puts decodes first, then prompt chunks), so that reading and writing
+    # them are a view and a copy rather than an index gather and scatter in every layer.
+    decode_rows: torch.Tensor | slice | None = None
     _sub_batches: dict[tuple[int, ...], AttentionMetadata] = field(default_factory=dict, repr=False)
     _sdpa_splits: dict[int | None, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
@@ -135,7 +137,9 @@ class AttentionMetadata:
             starts = [0]
             for i in index:
                 starts.append(starts[-1] + self.query_lens[i])
-            rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+            rows_t: torch.Tensor | slice = torch.tensor(rows, dtype=torch.long, device=device)
+            if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+                rows_t = slice(rows[0], rows[0] + len(rows))
             index_t = torch.tensor(index, dtype=torch.long, device=device)
             part = self._sub_batches[index] = AttentionMetadata(
                 slot_mapping=self.slot_mapping[rows_t],
