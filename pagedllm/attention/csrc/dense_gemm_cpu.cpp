@@ -48,6 +48,14 @@ constexpr int kTile = 12;       // rows per register tile: 24 accumulators
 // and did not slow 64 rows.
 constexpr int64_t kRowBlockBytes = 64 * 1024;
 
+// A decode batch, up to kWholeRows rows, stays one block while it fits kWholeBlockBytes (the
+// core's L2 holds it beside the panel being read): split into blocks of 64 KB it read every
+// panel from memory once per block, and a weight too large for the cache (an LM head) then cost
+// that many times its memory time. On a 2-core AMX machine, the default model's float32 LM head
+// (49152 x 576) took 24-31 ms at 32 rows and 36-48 at 64 split, 17-20 and 25-37 whole.
+constexpr int64_t kWholeRows = 64;
+constexpr int64_t kWholeBlockBytes = 1024 * 1024;
+
 // How far ahead of the micro-kernel a panel is prefetched, in panel rows (4 KB of float32, or of
 // bfloat16 input pairs). The hardware prefetcher alone left the weight loads stalling between the
 // FMAs: a float32 call took about its memory time plus its arithmetic time instead of the larger
@@ -58,7 +66,9 @@ constexpr int64_t kPrefetchRows = 32;
 
 // Rows per block for rows of row_bytes: a multiple of `unit` (the micro-kernel's rows), at least one.
 inline int64_t row_block_rows(int64_t row_bytes, int64_t unit) {
-  return std::max<int64_t>(unit, kRowBlockBytes / row_bytes / unit * unit);
+  const int64_t by_bytes = kRowBlockBytes / row_bytes / unit * unit;
+  const int64_t whole = std::min(kWholeRows, kWholeBlockBytes / row_bytes);
+  return std::max({unit, by_bytes, (whole + unit - 1) / unit * unit});
 }
 
 #if defined(__AVX512F__)
