@@ -16,6 +16,7 @@ from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
+from pagedllm.models.decode_stack import DecodeStack, build_decode_stack
 from pagedllm.models.families import DecoderSettings, decoder_settings
 from pagedllm.models.layers import ActAndMul, get_activation, make_norm
 from pagedllm.models.parallel_layers import (
@@ -207,6 +208,23 @@ class DecoderModel(nn.Module):
         # One rotary per distinct rope setting (Gemma 3: local and global); not submodules: no weights.
         self.rotary = {key: RotaryEmbedding(hf_config, key) for key in dict.fromkeys(s.layer_rope_keys)}
         self.rope_needs_lengths = any(r.depends_on_length for r in self.rotary.values())
+        # The C++ decode loop (models/decode_stack.py), built for the packed weights named by the key.
+        self._stack: DecodeStack | None = None
+        self._stack_key: int | None = -1
+
+    def _decode_stack(
+        self, hidden: torch.Tensor, kv_caches: list[KVCache] | None, meta: AttentionMetadata | None
+    ) -> DecodeStack | None:
+        """The C++ loop over the layers for this step when it serves it (an all-decode step on CPU
+        over layers it reproduces exactly), else None. Decided once per set of packed weights."""
+        if meta is None or kv_caches is None or hidden.device.type != "cpu" or not meta.is_all_decode:
+            return None
+        if torch.is_grad_enabled():
+            return None
+        key = id(self.layers[0].self_attn.qkv_proj.packed_weight) if self.layers else None
+        if self._stack_key != key:
+            self._stack, self._stack_key = build_decode_stack(self), key
+        return self._stack
 
     def forward(
         self,
@@ -222,9 +240,13 @@ class DecoderModel(nn.Module):
         seq_lens = token_seq_lens(positions, attn_metadata) if self.rope_needs_lengths else None
         ropes = {key: rotary.cos_sin(positions, hidden.dtype, seq_lens) for key, rotary in self.rotary.items()}
         residual = None
-        for i, layer in enumerate(self.layers):
-            kv_cache = kv_caches[i] if kv_caches is not None else None
-            hidden, residual = layer(ropes, hidden, residual, kv_cache, attn_metadata)
+        stack = self._decode_stack(hidden, kv_caches, attn_metadata)
+        if stack is not None:
+            hidden, residual = stack.run(hidden, next(iter(ropes.values())), kv_caches, attn_metadata)
+        else:
+            for i, layer in enumerate(self.layers):
+                kv_cache = kv_caches[i] if kv_caches is not None else None
+                hidden, residual = layer(ropes, hidden, residual, kv_cache, attn_metadata)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

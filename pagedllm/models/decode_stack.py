@@ -1,0 +1,118 @@
+"""All-decode steps of a Llama-style decoder through one C++ call (``decode_layers`` in
+attention/csrc/decode_stack_cpu.cpp) instead of the per-layer Python.
+
+A decode step's kernels are short (a few rows), so the Python around them weighs: on the
+default model (30 layers) ~25 Python-level operations per layer cost 4-5 ms of a 37 ms bfloat16
+step. The C++ loop calls the same kernels with the same arguments in the same order, so its
+outputs equal the Python layers' bit for bit; it serves only what it reproduces exactly, and
+everything else (prompt chunks, GPUs, quantized or unpacked weights, tensor parallelism, other
+norms, q/k norms, MoE, soft caps, parallel residuals, rope depending on sequence length) stays on
+the Python layers. ``PAGEDLLM_DECODE_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
+from pagedllm.models.layers import RMSNorm
+
+if TYPE_CHECKING:
+    from pagedllm.models.decoder import DecoderModel
+
+_EMPTY = torch.empty(0)
+
+
+class DecodeStack:
+    """The layers' weights gathered once for ``decode_layers``; ``run`` adds the step's caches and metadata."""
+
+    def __init__(self, model: DecoderModel, module) -> None:
+        self._module = module
+        first = model.layers[0]
+        attn = first.self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.attn.scale
+        self.eps = first.input_layernorm.eps
+        self.intermediate_size = first.mlp.down_proj.in_features
+        self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        self.weights: list[list[torch.Tensor]] = []
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            gate_up = mlp.gate_up_proj.packed_weight
+            self.weights.append([
+                layer.input_layernorm.weight, a.qkv_proj.packed_weight.data, _bias(a.qkv_proj.bias),
+                a.o_proj.packed_weight.data, _bias(a.o_proj.bias), layer.post_attention_layernorm.weight,
+                gate_up.data, _bias(gate_up.bias), mlp.down_proj.packed_weight.data, _bias(mlp.down_proj.bias),
+            ])
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the last layer, as the Python layers leave them."""
+        tensors = []
+        for weights, (k_cache, v_cache) in zip(self.weights, kv_caches, strict=True):
+            tensors += weights
+            tensors += (k_cache, v_cache)
+        cos, sin = rope
+        return self._module.decode_layers(
+            hidden, None, tensors, self.windows, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping,
+            meta.block_tables, meta.context_lens, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, self.eps, self.scale,
+        )
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if bias is None else bias.detach()
+
+
+def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
+    """A DecodeStack when the C++ loop reproduces these layers exactly, else None."""
+    if os.environ.get("PAGEDLLM_DECODE_STACK", "1") == "0" or not model.layers or len(model.rotary) != 1:
+        return None
+    if model.rope_needs_lengths:
+        return None
+    module = load_cpu_kernels()
+    if module is None or not hasattr(module, "decode_layers"):
+        return None
+    first = model.layers[0]
+    if not _layer_qualifies(first):
+        return None
+    settings = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+                first.self_attn.attn.scale, first.input_layernorm.eps, first.mlp.down_proj.in_features)
+    for layer in model.layers:
+        a = layer.self_attn
+        if not _layer_qualifies(layer) or (a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale,
+                                           layer.input_layernorm.eps, layer.mlp.down_proj.in_features) != settings:
+            return None
+        if layer.post_attention_layernorm.eps != settings[4]:
+            return None
+    return DecodeStack(model, module)
+
+
+def _layer_qualifies(layer) -> bool:
+    from pagedllm.models.decoder import DecoderAttention, GatedMLP
+
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not DecoderAttention or type(mlp) is not GatedMLP:
+        return False
+    if layer.parallel_residual or layer.sandwich or attn.q_norm is not None:
+        return False
+    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+        return False
+    paged = attn.attn
+    if not paged.use_cpu_kernel or paged.logits_soft_cap is not None:
+        return False
+    if any(p.tp_size != 1 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return False
+    return (type(attn.qkv_proj.packed_weight) is PanelWeight and type(attn.o_proj.packed_weight) is PanelWeight
+            and type(mlp.gate_up_proj.packed_weight) is GatedPanelWeight
+            and type(mlp.down_proj.packed_weight) is PanelWeight)
