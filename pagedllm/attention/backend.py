@@ -62,6 +62,10 @@ SDPA_CPU_BLOCK = 32
 # 1,750 cached 5.3 vs 8.1 with its context gathered, 2,048 tokens 20.4 vs 21.8: nearly level).
 AMX_MAX_CHUNK_PAIRS = 2048 * 2048
 
+# The kernels a CPU attention plan (PagedAttention.cpu_plan) gives a part of a batch; the C++
+# decoder loop (attention/csrc/layer_stack_cpu.cpp) uses the same numbers.
+DECODE_KERNEL, CHUNKED_KERNEL, AMX_KERNEL = 0, 1, 2
+
 
 def _sdpa_padding(q: torch.Tensor, length: int) -> int:
     """Rows to add to a query / key length of ``length`` before torch's CPU SDPA (0: none)."""
@@ -316,6 +320,29 @@ class PagedAttention(nn.Module):
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         out[start:end] = self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
 
+    def cpu_plan(
+        self, meta: AttentionMetadata, amx: bool
+    ) -> tuple[list[tuple[int, AttentionMetadata]], tuple[int, ...]]:
+        """How the CPU kernels split a mixed batch: (parts, sdpa). Each part is (kernel, batch): the
+        whole batch, or a sub-batch whose ``decode_rows`` name its rows; CHUNKED_KERNEL takes decodes
+        and short chunks after a cached context, AMX_KERNEL the prompt chunks the tile kernel serves
+        (``amx``: it runs for this query and cache, see ``_amx_chunks``). ``sdpa`` lists the
+        sequences left to torch's fused SDPA (its flash kernel multiplies bfloat16 natively: ~5x our
+        chunked kernel for a 448-token bfloat16 prompt, ~2x in float32). The Python path and the C++
+        decoder loop (models/layer_stack.py) both follow this plan."""
+        sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(self.sliding_window)
+        if not sdpa:
+            return [(CHUNKED_KERNEL, meta)], ()
+        tiled = self._amx_chunks(meta, sdpa) if amx else ()
+        if len(tiled) == meta.num_seqs:  # prompts only, all on tiles
+            return [(AMX_KERNEL, meta)], ()
+        parts = []
+        if tiled:
+            parts.append((AMX_KERNEL, meta.sub_batch(tiled)))
+        if rest:
+            parts.append((CHUNKED_KERNEL, meta.sub_batch(rest)))
+        return parts, tuple(i for i in sdpa if i not in tiled)
+
     def _attend_mixed_cpu(
         self,
         query: torch.Tensor,
@@ -324,37 +351,13 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """The C++ chunked kernel for decodes and short chunks after a cached context; prompt chunks
-        ``sdpa_split`` picks go to the AMX tile kernel where it runs (``_amx_chunks``), the others to
-        torch's fused SDPA (its flash kernel multiplies bfloat16 natively: ~5x our chunked kernel
-        for a 448-token bfloat16 prompt, ~2x in float32). None when the kernels are unavailable."""
-        window = self.sliding_window
-        sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(window)
-        if not sdpa:
-            return paged_chunked_attention(
-                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
-                self.scale, window or 0, self.logits_soft_cap or 0.0,
-            )
-        tiled = self._amx_chunks(query, kv_cache[0], meta, sdpa)
-        if len(tiled) == meta.num_seqs:  # prompts only, all on tiles
-            return prompt_attention_amx(
-                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
-                self.scale,
-            )
+        """``cpu_plan`` carried out. None when the kernels are unavailable."""
+        parts, sdpa = self.cpu_plan(meta, prompt_attention_amx_supported(query, kv_cache[0]))
+        if len(parts) == 1 and parts[0][1] is meta and not sdpa:
+            return self._cpu_kernel(parts[0][0], query, kv_cache, meta)
         out = torch.empty_like(query)
-        if tiled:
-            part = meta.sub_batch(tiled)
-            out[part.decode_rows] = prompt_attention_amx(
-                query[part.decode_rows], kv_cache[0], kv_cache[1], part.block_tables, part.query_start_loc_tensor,
-                part.context_lens, self.scale,
-            )
-            sdpa = tuple(i for i in sdpa if i not in tiled)
-        if rest:
-            part = meta.sub_batch(rest)
-            attended = paged_chunked_attention(
-                query[part.decode_rows], kv_cache[0], kv_cache[1], part.block_tables, part.query_start_loc_tensor,
-                part.context_lens, self.scale, window or 0, 0.0,  # fresh prompts exist only without a soft cap
-            )
+        for kernel, part in parts:
+            attended = self._cpu_kernel(kernel, query[part.decode_rows], kv_cache, part)
             if attended is None:
                 return None
             out[part.decode_rows] = attended
@@ -362,12 +365,23 @@ class PagedAttention(nn.Module):
             self._attend_prompt_chunk(query, key, value, kv_cache, meta, i, out)
         return out
 
-    def _amx_chunks(
-        self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, chunks: tuple[int, ...]
-    ) -> tuple[int, ...]:
+    def _cpu_kernel(
+        self, kernel: int, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        if kernel == AMX_KERNEL:
+            return prompt_attention_amx(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
+                self.scale,
+            )
+        return paged_chunked_attention(
+            query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
+            self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0,
+        )
+
+    def _amx_chunks(self, meta: AttentionMetadata, chunks: tuple[int, ...]) -> tuple[int, ...]:
         """The prompt chunks of ``chunks`` (sequences without a window narrower than their span)
-        that the AMX kernel serves: up to ``AMX_MAX_CHUNK_PAIRS``, where it runs at all."""
-        if not chunks or self.logits_soft_cap is not None or not prompt_attention_amx_supported(query, cache):
+        that the AMX kernel serves: up to ``AMX_MAX_CHUNK_PAIRS``."""
+        if not chunks or self.logits_soft_cap is not None:
             return ()
         return tuple(
             i for i in chunks

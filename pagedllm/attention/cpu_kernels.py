@@ -35,7 +35,7 @@ _SOURCES = [
         "quant_int8_cpu.cpp",
         "fused_ops_cpu.cpp",
         "dense_gemm_cpu.cpp",
-        "decode_stack_cpu.cpp",
+        "layer_stack_cpu.cpp",
         "bindings.cpp",
     )
 ]

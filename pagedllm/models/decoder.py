@@ -16,8 +16,8 @@ from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
-from pagedllm.models.decode_stack import DecodeStack, build_decode_stack
 from pagedllm.models.families import DecoderSettings, decoder_settings
+from pagedllm.models.layer_stack import LayerStack, build_layer_stack
 from pagedllm.models.layers import ActAndMul, get_activation, make_norm
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
@@ -208,22 +208,19 @@ class DecoderModel(nn.Module):
         # One rotary per distinct rope setting (Gemma 3: local and global); not submodules: no weights.
         self.rotary = {key: RotaryEmbedding(hf_config, key) for key in dict.fromkeys(s.layer_rope_keys)}
         self.rope_needs_lengths = any(r.depends_on_length for r in self.rotary.values())
-        # The C++ decode loop (models/decode_stack.py), built for the packed weights named by the key.
-        self._stack: DecodeStack | None = None
+        # The C++ loop over the layers (models/layer_stack.py), built for the packed weights named by the key.
+        self._stack: LayerStack | None = None
         self._stack_key: int | None = -1
 
-    def _decode_stack(
-        self, hidden: torch.Tensor, kv_caches: list[KVCache] | None, meta: AttentionMetadata | None
-    ) -> DecodeStack | None:
-        """The C++ loop over the layers for this step when it serves it (an all-decode step on CPU
-        over layers it reproduces exactly), else None. Decided once per set of packed weights."""
-        if meta is None or kv_caches is None or hidden.device.type != "cpu" or not meta.is_all_decode:
-            return None
-        if torch.is_grad_enabled():
+    def _layer_stack(self, hidden: torch.Tensor, kv_caches: list[KVCache] | None,
+                     meta: AttentionMetadata | None) -> LayerStack | None:
+        """The C++ loop over the layers when it serves this model on CPU (decided once per set of
+        packed weights); None for a step without a cache (profiling) or with autograd on."""
+        if meta is None or kv_caches is None or hidden.device.type != "cpu" or torch.is_grad_enabled():
             return None
         key = id(self.layers[0].self_attn.qkv_proj.packed_weight) if self.layers else None
         if self._stack_key != key:
-            self._stack, self._stack_key = build_decode_stack(self), key
+            self._stack, self._stack_key = build_layer_stack(self), key
         return self._stack
 
     def forward(
@@ -240,9 +237,10 @@ class DecoderModel(nn.Module):
         seq_lens = token_seq_lens(positions, attn_metadata) if self.rope_needs_lengths else None
         ropes = {key: rotary.cos_sin(positions, hidden.dtype, seq_lens) for key, rotary in self.rotary.items()}
         residual = None
-        stack = self._decode_stack(hidden, kv_caches, attn_metadata)
-        if stack is not None:
-            hidden, residual = stack.run(hidden, next(iter(ropes.values())), kv_caches, attn_metadata)
+        stack = self._layer_stack(hidden, kv_caches, attn_metadata)
+        plan = None if stack is None else stack.plan(attn_metadata, kv_caches[0][0])
+        if plan is not None:
+            hidden, residual = stack.run(hidden, next(iter(ropes.values())), kv_caches, attn_metadata, plan)
         else:
             for i, layer in enumerate(self.layers):
                 kv_cache = kv_caches[i] if kv_caches is not None else None

@@ -37,11 +37,11 @@ bool dense_gemm_supported(torch::Tensor weight);
 torch::Tensor dense_pack_weight(torch::Tensor weight);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
                            int64_t k_dim, bool silu_and_mul);
-std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual_in, std::vector<torch::Tensor> layer_tensors,
-    std::vector<int64_t> sliding_windows, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t intermediate_size, double eps, double scale);
+std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
+    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> sliding_windows,
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels,
+    std::vector<int64_t> part_rows, std::vector<torch::Tensor> part_tensors, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale);
 
 // The kernels that run for a while release the GIL: in the server the engine steps on a thread of
 // its own, and the event loop (HTTP, streaming) must not wait for a GEMM to reach its next bytecode.
@@ -80,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_pack_weight", &dense_pack_weight, "An [N, K] float32 / bfloat16 weight packed in column panels (CPU)");
   m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs; silu_and_mul: a gated weight (each "
         "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)", ReleaseGil());
-  m.def("decode_layers", &decode_layers,
-        "A decode step through Llama-style layers (12 tensors per layer), the Python layers' kernels in their "
-        "order; returns (hidden, residual) before the final norm (CPU)", ReleaseGil());
+  m.def("run_layer_stack", &run_layer_stack,
+        "A step through Llama-style layers (12 tensors per layer), attention by the step's plan, the Python "
+        "layers' kernels in their order; returns (hidden, residual) before the final norm (CPU)", ReleaseGil());
 }

@@ -1,13 +1,15 @@
-"""All-decode steps of a Llama-style decoder through one C++ call (``decode_layers`` in
-attention/csrc/decode_stack_cpu.cpp) instead of the per-layer Python.
+"""A step of a Llama-style decoder through one C++ call over all its layers (``run_layer_stack``
+in attention/csrc/layer_stack_cpu.cpp) instead of the per-layer Python.
 
 A decode step's kernels are short (a few rows), so the Python around them weighs: on the
 default model (30 layers) ~25 Python-level operations per layer cost 4-5 ms of a 37 ms bfloat16
-step. The C++ loop calls the same kernels with the same arguments in the same order, so its
-outputs equal the Python layers' bit for bit; it serves only what it reproduces exactly, and
-everything else (prompt chunks, GPUs, quantized or unpacked weights, tensor parallelism, other
-norms, q/k norms, MoE, soft caps, parallel residuals, rope depending on sequence length) stays on
-the Python layers. ``PAGEDLLM_DECODE_STACK=0`` turns it off.
+step, and as much of a short prompt's step. The C++ loop calls the same kernels with the same
+arguments in the same order, so its outputs equal the Python layers' bit for bit. Attention follows
+the step's plan (``PagedAttention.cpu_plan``); steps whose plan gives a sequence to torch's SDPA
+(float32 prompts), or splits the batch into scattered rows, stay on the Python layers, as does
+everything else the loop does not reproduce (GPUs, quantized or unpacked weights, tensor
+parallelism, other norms, q/k norms, MoE, soft caps, parallel residuals, rope depending on sequence
+length, per-layer windows in a step with prompts). ``PAGEDLLM_LAYER_STACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.attention.backend import DECODE_KERNEL
+from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx_supported
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.layers import RMSNorm
 
@@ -26,10 +29,13 @@ if TYPE_CHECKING:
     from pagedllm.models.decoder import DecoderModel
 
 _EMPTY = torch.empty(0)
+# A step's attention plan for run_layer_stack: per part its kernel, its rows' [begin, end) flattened,
+# and its block_tables, query_start_loc and context_lens flattened.
+Plan = tuple[list[int], list[int], list[torch.Tensor]]
 
 
-class DecodeStack:
-    """The layers' weights gathered once for ``decode_layers``; ``run`` adds the step's caches and metadata."""
+class LayerStack:
+    """The layers' weights gathered once for ``run_layer_stack``; ``run`` adds the step's caches and plan."""
 
     def __init__(self, model: DecoderModel, module) -> None:
         self._module = module
@@ -40,6 +46,8 @@ class DecodeStack:
         self.eps = first.input_layernorm.eps
         self.intermediate_size = first.mlp.down_proj.in_features
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        # The first layer's attention plans every layer's step: the plan depends only on the window.
+        self.planner = attn.attn if len(set(self.windows)) == 1 else None
         self.weights: list[list[torch.Tensor]] = []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -50,12 +58,38 @@ class DecodeStack:
                 gate_up.data, _bias(gate_up.bias), mlp.down_proj.packed_weight.data, _bias(mlp.down_proj.bias),
             ])
 
+    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> Plan | None:
+        """The step's attention plan as ``run_layer_stack`` takes it: (kernels, row ranges, tensors),
+        or None when the Python layers must run the step."""
+        if meta.is_all_decode:
+            parts = [(DECODE_KERNEL, meta)]
+        elif self.planner is None:
+            return None
+        else:
+            # The cache stands in for the query: the same dtype, device and head size.
+            parts, sdpa = self.planner.cpu_plan(meta, prompt_attention_amx_supported(k_cache, k_cache))
+            if sdpa:
+                return None
+        kernels, rows, tensors = [], [], []
+        for kernel, part in parts:
+            selected = part.decode_rows
+            if selected is None:
+                rows += (0, meta.query_start_loc[-1])
+            elif isinstance(selected, slice):
+                rows += (selected.start, selected.stop)
+            else:
+                return None
+            kernels.append(kernel)
+            tensors += (part.block_tables, part.query_start_loc_tensor, part.context_lens)
+        return kernels, rows, tensors
+
     def run(
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        plan: Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the Python layers leave them."""
         tensors = []
@@ -63,10 +97,11 @@ class DecodeStack:
             tensors += weights
             tensors += (k_cache, v_cache)
         cos, sin = rope
-        return self._module.decode_layers(
-            hidden, None, tensors, self.windows, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping,
-            meta.block_tables, meta.context_lens, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, self.eps, self.scale,
+        kernels, rows, part_tensors = plan
+        return self._module.run_layer_stack(
+            hidden, tensors, self.windows, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, kernels, rows,
+            part_tensors, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.eps,
+            self.scale,
         )
 
 
@@ -74,14 +109,14 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor:
     return _EMPTY if bias is None else bias.detach()
 
 
-def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
-    """A DecodeStack when the C++ loop reproduces these layers exactly, else None."""
-    if os.environ.get("PAGEDLLM_DECODE_STACK", "1") == "0" or not model.layers or len(model.rotary) != 1:
+def build_layer_stack(model: DecoderModel) -> LayerStack | None:
+    """A LayerStack when the C++ loop reproduces these layers exactly, else None."""
+    if os.environ.get("PAGEDLLM_LAYER_STACK", "1") == "0" or not model.layers or len(model.rotary) != 1:
         return None
     if model.rope_needs_lengths:
         return None
     module = load_cpu_kernels()
-    if module is None or not hasattr(module, "decode_layers"):
+    if module is None or not hasattr(module, "run_layer_stack"):
         return None
     first = model.layers[0]
     if not _layer_qualifies(first):
@@ -95,7 +130,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             return None
         if layer.post_attention_layernorm.eps != settings[4]:
             return None
-    return DecodeStack(model, module)
+    return LayerStack(model, module)
 
 
 def _layer_qualifies(layer) -> bool:
