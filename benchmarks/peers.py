@@ -497,7 +497,9 @@ class PagedLLMEngine(Engine):
 
         spec = self.workloads[workload]
         prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["max_tokens"]]
+        # Token ids only, as the peers' runners ask for them (no text is compared here).
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+                  for n in spec["max_tokens"]]
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start

@@ -29,8 +29,11 @@ def detokenize_incrementally(tokenizer: Any, seq: Sequence, params: SamplingPara
 
     Call once after each appended token. The first call reads the tail of the prompt as context
     (the prompt's text is never part of ``output_text``). Returns "" while the text so far ends
-    inside a multi-byte character, and for skipped special tokens.
+    inside a multi-byte character, and for skipped special tokens; always "" (and no work) when
+    the request asked for token ids only (``params.detokenize`` False).
     """
+    if not params.detokenize:
+        return ""
     skip_special_tokens = params.skip_special_tokens
     new_token_id = seq.get_last_token_id()
     if seq.tokens is None:  # the first call: everything before the new token is context

@@ -129,6 +129,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # False: token ids only, the output text stays empty (vLLM's setting; stop strings need the text).
+    detokenize: bool = True
     # Beam search lives in the engine, as in the paper (used by the sharing work).
     use_beam_search: bool = False
     beam_width: int | None = None
@@ -228,9 +230,11 @@ class SamplingParams:
         )
         self._verify_logit_bias()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "use_beam_search"):
+                     "spaces_between_special_tokens", "use_beam_search", "detokenize"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be true or false, got {_short(value)}.")
+        _check(self.detokenize or not self.stop_strings,
+               "stop strings need detokenize=True: they are matched in the output text.")
         _check(
             self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= 1),
             f"beam_width must be None or an integer >= 1, got {_short(self.beam_width)}.",

@@ -106,6 +106,21 @@ def test_stop_strings_and_logprobs(llama_dir):
     assert_no_leaks(llm)
 
 
+def test_token_ids_only_without_detokenizing(llama_dir):
+    """detokenize=False: the same token ids and logprobs, no text (vLLM's setting)."""
+    llm = LLM(model=llama_dir, num_kv_blocks=128, block_size=8)
+    prompt = _prompts(llm.llm_engine.vocab_size)[3]
+    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with_text = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    ids_only = llm.generate([prompt], SamplingParams(**params, detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert with_text.text and ids_only.text == ""
+    assert ids_only.token_ids == with_text.token_ids
+    # (The second run reads its prompt from the prefix cache: logprobs agree to rounding.)
+    for a, b in zip(ids_only.logprobs, with_text.logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert_no_leaks(llm)
+
+
 def test_parallel_sampling_best_of(llama_dir):
     llm = LLM(model=llama_dir, num_kv_blocks=128, block_size=8)
     prompt = _prompts(llm.llm_engine.vocab_size)[5]
@@ -148,6 +163,8 @@ def test_bad_prompts(llama_dir, prompt, params, message):
         (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(n=0), "n must"),
+        (dict(detokenize=0), "detokenize"),
+        (dict(stop="x", detokenize=False), "stop strings need detokenize"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

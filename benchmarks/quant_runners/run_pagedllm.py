@@ -81,7 +81,7 @@ class PagedLLMRunner:
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
         from pagedllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts),
                                  use_tqdm=False)
 

@@ -238,7 +238,7 @@ class DecoderModel(nn.Module):
         ropes = {key: rotary.cos_sin(positions, hidden.dtype, seq_lens) for key, rotary in self.rotary.items()}
         residual = None
         stack = self._layer_stack(hidden, kv_caches, attn_metadata)
-        plan = None if stack is None else stack.plan(attn_metadata, kv_caches[0][0])
+        plan = None if stack is None else stack.plan(attn_metadata, hidden, kv_caches[0][0])
         if plan is not None:
             hidden, residual = stack.run(hidden, next(iter(ropes.values())), kv_caches, attn_metadata, plan)
         else:

@@ -58,15 +58,17 @@ class LayerStack:
                 gate_up.data, _bias(gate_up.bias), mlp.down_proj.packed_weight.data, _bias(mlp.down_proj.bias),
             ])
 
-    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> Plan | None:
+    def plan(self, meta: AttentionMetadata, hidden: torch.Tensor, k_cache: torch.Tensor) -> Plan | None:
         """The step's attention plan as ``run_layer_stack`` takes it: (kernels, row ranges, tensors),
         or None when the Python layers must run the step."""
+        if k_cache.dtype != hidden.dtype:
+            return None
         if meta.is_all_decode:
             parts = [(DECODE_KERNEL, meta)]
         elif self.planner is None:
             return None
         else:
-            # The cache stands in for the query: the same dtype, device and head size.
+            # The cache stands in for the query: the same dtype (checked above), device and head size.
             parts, sdpa = self.planner.cpu_plan(meta, prompt_attention_amx_supported(k_cache, k_cache))
             if sdpa:
                 return None
