@@ -141,9 +141,10 @@ class AttentionMetadata:
             starts = [0]
             for i in index:
                 starts.append(starts[-1] + self.query_lens[i])
-            rows_t: torch.Tensor | slice = torch.tensor(rows, dtype=torch.long, device=device)
             if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-                rows_t = slice(rows[0], rows[0] + len(rows))
+                rows_t: torch.Tensor | slice = slice(rows[0], rows[0] + len(rows))
+            else:
+                rows_t = torch.tensor(rows, dtype=torch.long, device=device)
             index_t = torch.tensor(index, dtype=torch.long, device=device)
             part = self._sub_batches[index] = AttentionMetadata(
                 slot_mapping=self.slot_mapping[rows_t],

@@ -41,7 +41,7 @@ _SOURCES = [
 ]
 _HEADERS = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("quant_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h")
+    for name in ("quant_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h", "kernels.h")
 ]
 _lock = threading.Lock()
 

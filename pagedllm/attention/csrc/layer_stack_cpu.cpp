@@ -17,23 +17,7 @@
 #include <tuple>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t sliding_window, double logits_soft_cap);
-torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor context_lens, double scale, int64_t sliding_window,
-                                      double logits_soft_cap);
-torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                   torch::Tensor context_lens, double scale);
-void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool gemma);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool gemma);
-void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
-                           int64_t k_dim, bool silu_and_mul);
+#include "kernels.h"
 
 namespace {
 
