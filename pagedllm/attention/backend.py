@@ -322,19 +322,19 @@ class PagedAttention(nn.Module):
         out[start:end] = self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
 
     def cpu_plan(
-        self, meta: AttentionMetadata, amx: bool
+        self, meta: AttentionMetadata, query: torch.Tensor, cache: torch.Tensor
     ) -> tuple[list[tuple[int, AttentionMetadata]], tuple[int, ...]]:
         """How the CPU kernels split a mixed batch: (parts, sdpa). Each part is (kernel, batch): the
         whole batch, or a sub-batch whose ``decode_rows`` name its rows; CHUNKED_KERNEL takes decodes
         and short chunks after a cached context, AMX_KERNEL the prompt chunks the tile kernel serves
-        (``amx``: it runs for this query and cache, see ``_amx_chunks``). ``sdpa`` lists the
+        where it runs for this query and cache (see ``_amx_chunks``). ``sdpa`` lists the
         sequences left to torch's fused SDPA (its flash kernel multiplies bfloat16 natively: ~5x our
         chunked kernel for a 448-token bfloat16 prompt, ~2x in float32). The Python path and the C++
         decoder loop (models/layer_stack.py) both follow this plan."""
         sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(self.sliding_window)
         if not sdpa:
             return [(CHUNKED_KERNEL, meta)], ()
-        tiled = self._amx_chunks(meta, sdpa) if amx else ()
+        tiled = self._amx_chunks(meta, sdpa) if prompt_attention_amx_supported(query, cache) else ()
         if len(tiled) == meta.num_seqs:  # prompts only, all on tiles
             return [(AMX_KERNEL, meta)], ()
         parts = []
@@ -353,7 +353,7 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """``cpu_plan`` carried out. None when the kernels are unavailable."""
-        parts, sdpa = self.cpu_plan(meta, prompt_attention_amx_supported(query, kv_cache[0]))
+        parts, sdpa = self.cpu_plan(meta, query, kv_cache[0])
         if len(parts) == 1 and parts[0][1] is meta and not sdpa:
             return self._cpu_kernel(parts[0][0], query, kv_cache, meta)
         out = torch.empty_like(query)

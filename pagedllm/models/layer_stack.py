@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backend import DECODE_KERNEL
-from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx_supported
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.layers import RMSNorm
 
@@ -69,7 +69,7 @@ class LayerStack:
             return None
         else:
             # The cache stands in for the query: the same dtype (checked above), device and head size.
-            parts, sdpa = self.planner.cpu_plan(meta, prompt_attention_amx_supported(k_cache, k_cache))
+            parts, sdpa = self.planner.cpu_plan(meta, k_cache, k_cache)
             if sdpa:
                 return None
         kernels, rows, tensors = [], [], []
@@ -113,26 +113,23 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor:
 
 def build_layer_stack(model: DecoderModel) -> LayerStack | None:
     """A LayerStack when the C++ loop reproduces these layers exactly, else None."""
-    if os.environ.get("PAGEDLLM_LAYER_STACK", "1") == "0" or not model.layers or len(model.rotary) != 1:
+    if os.environ.get("PAGEDLLM_LAYER_STACK", "1") == "0" or not model.layers:
         return None
-    if model.rope_needs_lengths:
+    if len(model.rotary) != 1 or model.rope_needs_lengths:
         return None
     module = load_cpu_kernels()
     if module is None or not hasattr(module, "run_layer_stack"):
         return None
-    first = model.layers[0]
-    if not _layer_qualifies(first):
+    # One set of shapes and norms for every layer: the loop takes them once.
+    if not all(_layer_qualifies(layer) for layer in model.layers) or len(set(map(_settings, model.layers))) != 1:
         return None
-    settings = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-                first.self_attn.attn.scale, first.input_layernorm.eps, first.mlp.down_proj.in_features)
-    for layer in model.layers:
-        a = layer.self_attn
-        if not _layer_qualifies(layer) or (a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale,
-                                           layer.input_layernorm.eps, layer.mlp.down_proj.in_features) != settings:
-            return None
-        if layer.post_attention_layernorm.eps != settings[4]:
-            return None
     return LayerStack(model, module)
+
+
+def _settings(layer) -> tuple:
+    a = layer.self_attn
+    return (a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale, layer.input_layernorm.eps,
+            layer.post_attention_layernorm.eps, layer.mlp.down_proj.in_features)
 
 
 def _layer_qualifies(layer) -> bool:
