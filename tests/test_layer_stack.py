@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_models import write_tiny_llama_gguf
 from test_models import TINY, PagedBatch, make_caches
 
 from pagedllm.attention.backend import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL
 from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx_supported
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import panels_supported
-from pagedllm.models.layer_stack import LayerStack
+from pagedllm.models.layer_stack import FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS, LayerStack
+from pagedllm.quantization.int8_tiles import int8_tiling_reason
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,6 +103,48 @@ def test_layer_stack_equals_the_python_layers(name, dtype, tmp_path, monkeypatch
     without = _without_stack(monkeypatch, model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
+
+
+# Segments of several kinds within a layer, as GGUF files mix them: q and k in Q4_K beside v in float32,
+# gate in Q4_K beside up in Q8_0, down in Q6_K.
+MIXED = {"default": "Q4_K", "attn_v": "F32", "ffn_down": "Q6_K", "ffn_up": "Q8_0"}
+
+
+@pytest.mark.parametrize(("types", "dtype", "int8"), [
+    ("Q4_1", "float32", None), ("mixed", "float32", False), ("mixed", "float32", True), ("mixed", "bfloat16", False),
+])
+def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkeypatch):
+    """GGUF weights kept packed (the default model's case), multiplied by int8 tiles or by the
+    float-activation block kernels, one or several segments per layer: the same logits as the
+    Python layers, bit for bit."""
+    if int8 and int8_tiling_reason(torch.device("cpu")) is not None:
+        pytest.skip(int8_tiling_reason(torch.device("cpu")))
+    path = write_tiny_llama_gguf(str(tmp_path / "model.gguf"), MIXED if types == "mixed" else types, 211)
+    model_config = load_model_config(path, dtype=dtype)
+    model_config.int8_activations = int8
+    model = build_model(model_config, "cpu")
+    runs = _count_stack_runs(monkeypatch)
+    with_stack = _step_logits(model, model_config)
+    assert runs.count([DECODE_KERNEL]) == 4 and [CHUNKED_KERNEL] in runs
+    layers = _segment_kinds(model.model._stack.linear_specs)
+    packed = INT8_TILED if int8 is not False and int8_tiling_reason(torch.device("cpu")) is None else QUANT_BLOCKS
+    if types == "mixed":  # q+k, v | o | gate, up | down (Q8_0 is tiled only where VNNI multiplies it)
+        assert layers[0][:2] == [[packed, FLOAT_ROWS], [packed]] and len(layers[0][2]) == 2
+    else:
+        assert layers[0] == [[packed]] * 4
+    without = _without_stack(monkeypatch, model, model_config)
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
+
+
+def _segment_kinds(specs: list[int]) -> list[list[list[int]]]:
+    """Per layer, per linear layer, its segments' kinds, read back from LayerStack.linear_specs."""
+    linears, at = [], 0
+    while at < len(specs):
+        count = specs[at]
+        linears.append([specs[at + 1 + 3 * i] for i in range(count)])
+        at += 1 + 3 * count
+    return [linears[i:i + 4] for i in range(0, len(linears), 4)]
 
 
 def test_models_it_does_not_reproduce_keep_the_python_layers(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
 from pagedllm.models.families import DecoderSettings, decoder_settings
-from pagedllm.models.layer_stack import LayerStack, build_layer_stack
+from pagedllm.models.layer_stack import LayerStack, build_layer_stack, weights_key
 from pagedllm.models.layers import ActAndMul, get_activation, make_norm
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
@@ -208,7 +208,7 @@ class DecoderModel(nn.Module):
         # One rotary per distinct rope setting (Gemma 3: local and global); not submodules: no weights.
         self.rotary = {key: RotaryEmbedding(hf_config, key) for key in dict.fromkeys(s.layer_rope_keys)}
         self.rope_needs_lengths = any(r.depends_on_length for r in self.rotary.values())
-        # The C++ loop over the layers (models/layer_stack.py), built for the packed weights named by the key.
+        # The C++ loop over the layers (models/layer_stack.py), built for the weights named by the key.
         self._stack: LayerStack | None = None
         self._stack_key: int | None = -1
 
@@ -218,7 +218,7 @@ class DecoderModel(nn.Module):
         packed weights); None for a step without a cache (profiling) or with autograd on."""
         if meta is None or kv_caches is None or hidden.device.type != "cpu" or torch.is_grad_enabled():
             return None
-        key = id(self.layers[0].self_attn.qkv_proj.packed_weight) if self.layers else None
+        key = weights_key(self)
         if self._stack_key != key:
             self._stack, self._stack_key = build_layer_stack(self), key
         return self._stack

@@ -16,7 +16,8 @@ import torch
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_ACT_AND_MUL = {
+# The kernel computing act(gate) * up for each activation name.
+ACT_AND_MUL_KERNELS = {
     "silu": "silu_and_mul",
     "swish": "silu_and_mul",
     "gelu": "gelu_and_mul",
@@ -62,7 +63,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
     """[T, 2I] (gate, then up) -> act(gate) * up, [T, I]; None for another activation or tensor."""
-    name = _ACT_AND_MUL.get(activation)
+    name = ACT_AND_MUL_KERNELS.get(activation)
     if name is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
     kernels = _kernels(x)

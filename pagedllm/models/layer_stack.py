@@ -7,9 +7,11 @@ step, and as much of a short prompt's step. The C++ loop calls the same kernels 
 arguments in the same order, so its outputs equal the Python layers' bit for bit. Attention follows
 the step's plan (``PagedAttention.cpu_plan``); steps whose plan gives a sequence to torch's SDPA
 (float32 prompts), or splits the batch into scattered rows, stay on the Python layers, as does
-everything else the loop does not reproduce (GPUs, quantized or unpacked weights, tensor
+everything else the loop does not reproduce (GPUs, weights multiplied by torch or oneDNN, tensor
 parallelism, other norms, q/k norms, MoE, soft caps, parallel residuals, rope depending on sequence
-length, per-layer windows in a step with prompts). ``PAGEDLLM_LAYER_STACK=0`` turns it off.
+length, per-layer windows in a step with prompts). Weights may be our float panels or quantized
+rows (int8 tiles, packed blocks, float segments, mixed within a layer as GGUF files mix them).
+``PAGEDLLM_LAYER_STACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backend import DECODE_KERNEL
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
+from pagedllm.models.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.models.layers import RMSNorm
+from pagedllm.quantization.int8_tiles import Int8TiledTensor
+from pagedllm.quantization.kernels import SMALL_M, cpu_kernels_serve
+from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 if TYPE_CHECKING:
     from pagedllm.models.decoder import DecoderModel
@@ -32,12 +38,18 @@ _EMPTY = torch.empty(0)
 # A step's attention plan for run_layer_stack: per part its kernel, its rows' [begin, end) flattened,
 # and its block_tables, query_start_loc and context_lens flattened.
 Plan = tuple[list[int], list[int], list[torch.Tensor]]
+# How run_layer_stack multiplies one row segment of a weight (LinearKind in layer_stack_cpu.cpp).
+PANEL, GATED_PANEL, INT8_TILED, QUANT_BLOCKS, FLOAT_ROWS = range(5)
+# Its code for the kernel applying act(gate) * up after an ungated gate/up product.
+_ACTIVATION_CODES = {"silu_and_mul": 0, "gelu_and_mul": 1, "gelu_tanh_and_mul": 2}
+# A segment as the loop takes it: kind, format id, rows, weight data, bias (empty: none).
+Segment = tuple[int, int, int, torch.Tensor, torch.Tensor]
 
 
 class LayerStack:
     """The layers' weights gathered once for ``run_layer_stack``; ``run`` adds the step's caches and plan."""
 
-    def __init__(self, model: DecoderModel, module) -> None:
+    def __init__(self, model: DecoderModel, module, layer_linears: list[list[list[Segment]]]) -> None:
         self._module = module
         first = model.layers[0]
         attn = first.self_attn
@@ -46,17 +58,19 @@ class LayerStack:
         self.eps = first.input_layernorm.eps
         self.intermediate_size = first.mlp.down_proj.in_features
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        self.activation = _ACTIVATION_CODES[ACT_AND_MUL_KERNELS[first.mlp.act_and_mul.activation]]
         # The first layer's attention plans every layer's step: the plan depends only on the window.
         self.planner = attn.attn if len(set(self.windows)) == 1 else None
-        self.weights: list[list[torch.Tensor]] = []
-        for layer in model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            gate_up = mlp.gate_up_proj.packed_weight
-            self.weights.append([
-                layer.input_layernorm.weight, a.qkv_proj.packed_weight.data, _bias(a.qkv_proj.bias),
-                a.o_proj.packed_weight.data, _bias(a.o_proj.bias), layer.post_attention_layernorm.weight,
-                gate_up.data, _bias(gate_up.bias), mlp.down_proj.packed_weight.data, _bias(mlp.down_proj.bias),
-            ])
+        self.layer_tensors: list[list[torch.Tensor]] = []
+        self.linear_specs: list[int] = []
+        self.linear_tensors: list[torch.Tensor] = []
+        for layer, linears in zip(model.layers, layer_linears, strict=True):
+            self.layer_tensors.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
+            for segments in linears:
+                self.linear_specs.append(len(segments))
+                for kind, fmt, rows, weight, bias in segments:
+                    self.linear_specs += (kind, fmt, rows)
+                    self.linear_tensors += (weight, bias)
 
     def plan(self, meta: AttentionMetadata, hidden: torch.Tensor, k_cache: torch.Tensor) -> Plan | None:
         """The step's attention plan as ``run_layer_stack`` takes it: (kernels, row ranges, tensors),
@@ -95,15 +109,15 @@ class LayerStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the Python layers leave them."""
         tensors = []
-        for weights, (k_cache, v_cache) in zip(self.weights, kv_caches, strict=True):
-            tensors += weights
+        for norms, (k_cache, v_cache) in zip(self.layer_tensors, kv_caches, strict=True):
+            tensors += norms
             tensors += (k_cache, v_cache)
         cos, sin = rope
         kernels, rows, part_tensors = plan
         return self._module.run_layer_stack(
-            hidden, tensors, self.windows, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, kernels, rows,
-            part_tensors, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.eps,
-            self.scale,
+            hidden, tensors, self.linear_specs, self.linear_tensors, self.windows, cos.squeeze(1), sin.squeeze(1),
+            meta.slot_mapping, kernels, rows, part_tensors, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, self.activation, SMALL_M, self.eps, self.scale,
         )
 
 
@@ -123,13 +137,27 @@ def build_layer_stack(model: DecoderModel) -> LayerStack | None:
     # One set of shapes and norms for every layer: the loop takes them once.
     if not all(_layer_qualifies(layer) for layer in model.layers) or len(set(map(_settings, model.layers))) != 1:
         return None
-    return LayerStack(model, module)
+    layer_linears = [_layer_linears(layer) for layer in model.layers]
+    if any(None in linears for linears in layer_linears):
+        return None
+    return LayerStack(model, module, layer_linears)
+
+
+def weights_key(model: DecoderModel) -> int | None:
+    """Names the weights a LayerStack was built over: a new key after repacking or retiling."""
+    if not model.layers:
+        return None
+    qkv = model.layers[0].self_attn.qkv_proj
+    if qkv.packed_weight is not None or not isinstance(qkv.weight, QuantizedWeight):
+        return id(qkv.packed_weight)
+    return id(qkv.weight.segments[0].weight)
 
 
 def _settings(layer) -> tuple:
     a = layer.self_attn
     return (a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale, layer.input_layernorm.eps,
-            layer.post_attention_layernorm.eps, layer.mlp.down_proj.in_features)
+            layer.post_attention_layernorm.eps, layer.mlp.down_proj.in_features, layer.mlp.act_and_mul.activation,
+            layer.input_layernorm.weight.dtype)
 
 
 def _layer_qualifies(layer) -> bool:
@@ -142,11 +170,46 @@ def _layer_qualifies(layer) -> bool:
         return False
     if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
         return False
+    if layer.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
+        return False  # the norm and activation kernels' dtypes
+    if mlp.act_and_mul.activation not in ACT_AND_MUL_KERNELS:
+        return False
     paged = attn.attn
     if not paged.use_cpu_kernel or paged.logits_soft_cap is not None:
         return False
-    if any(p.tp_size != 1 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return False
-    return (type(attn.qkv_proj.packed_weight) is PanelWeight and type(attn.o_proj.packed_weight) is PanelWeight
-            and type(mlp.gate_up_proj.packed_weight) is GatedPanelWeight
-            and type(mlp.down_proj.packed_weight) is PanelWeight)
+    return all(p.tp_size == 1 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+def _layer_linears(layer) -> list[list[Segment] | None]:
+    """The layer's qkv, o, gate/up and down weights as the loop multiplies them (None: it cannot)."""
+    a, mlp = layer.self_attn, layer.mlp
+    return [_segments(a.qkv_proj), _segments(a.o_proj), _segments(mlp.gate_up_proj, gated=True),
+            _segments(mlp.down_proj)]
+
+
+def _segments(linear, gated: bool = False) -> list[Segment] | None:
+    """The row segments of a linear layer's weight, each with its kernel, as the Python layer
+    multiplies them (``cpu_gemm.dense``, ``QuantizedWeight.linear``), or None."""
+    packed = linear.packed_weight
+    if type(packed) is GatedPanelWeight:
+        # Only a gated MLP's gate/up layer uses the fused epilogue, with the bias reordered to match.
+        return [(GATED_PANEL, 0, packed.out_features, packed.data, _bias(packed.bias))] if gated else None
+    if type(packed) is PanelWeight:
+        return [(PANEL, 0, packed.out_features, packed.data, _bias(linear.bias))]
+    weight = linear.weight
+    if packed is not None or not isinstance(weight, QuantizedWeight):
+        return None  # oneDNN or torch multiply it
+    whole = len(weight.segments) == 1
+    segments = []
+    for seg in weight.segments:
+        bias = linear.bias if whole or linear.bias is None else linear.bias[seg.offset:seg.offset + seg.rows]
+        rows = seg.weight
+        if isinstance(rows, Int8TiledTensor):
+            segments.append((INT8_TILED, rows.fmt.id, seg.rows, rows.data, _bias(bias)))
+        elif isinstance(rows, PackedTensor):
+            if not cpu_kernels_serve(rows.data.device, rows.in_features):
+                return None
+            segments.append((QUANT_BLOCKS, rows.fmt.id, seg.rows, rows.data, _bias(bias)))
+        else:
+            segments.append((FLOAT_ROWS, 0, seg.rows, rows, _bias(bias)))
+    return segments

@@ -27,10 +27,15 @@ SMALL_M = 48
 _REFERENCE_PANEL_ELEMENTS = 1 << 22
 
 
+def cpu_kernels_serve(device: torch.device, in_features: int) -> bool:
+    """Whether the C++ kernels multiply packed rows of ``in_features`` inputs here (else the torch reference)."""
+    if device.type != "cpu" or in_features % 16 or os.environ.get("PAGEDLLM_QUANT_KERNEL", "cpp") == "torch":
+        return False
+    return load_cpu_kernels() is not None
+
+
 def _cpu_module(x: torch.Tensor, in_features: int):
-    if x.device.type != "cpu" or in_features % 16 or os.environ.get("PAGEDLLM_QUANT_KERNEL", "cpp") == "torch":
-        return None
-    return load_cpu_kernels()
+    return load_cpu_kernels() if cpu_kernels_serve(x.device, in_features) else None
 
 
 def packed_linear(x: torch.Tensor, data: torch.Tensor, fmt: Format, in_features: int,

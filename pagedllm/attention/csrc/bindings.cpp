@@ -41,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs; silu_and_mul: a gated weight (each "
         "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)", ReleaseGil());
   m.def("run_layer_stack", &run_layer_stack,
-        "A step through Llama-style layers (12 tensors per layer), attention by the step's plan, the Python "
-        "layers' kernels in their order; returns (hidden, residual) before the final norm (CPU)", ReleaseGil());
+        "A step through Llama-style layers (norms, caches and linear segments per layer), attention by the step's "
+        "plan, the Python layers' kernels in their order; returns (hidden, residual) before the final norm (CPU)",
+        ReleaseGil());
 }

@@ -43,7 +43,8 @@ torch::Tensor dense_pack_weight(torch::Tensor weight);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
                            int64_t k_dim, bool silu_and_mul);
 std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
-    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> sliding_windows,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels,
-    std::vector<int64_t> part_rows, std::vector<torch::Tensor> part_tensors, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale);
+    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
+    std::vector<torch::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
+    std::vector<torch::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate_size, int64_t activation, int64_t small_m, double eps, double scale);

@@ -6,9 +6,12 @@
 // with the same arguments in the same order, so its results are bit for bit the Python layers'
 // (models/layer_stack.py decides when a model and a step qualify; tests compare the two paths).
 //
-// Per layer, 12 tensors in `layer_tensors` (an empty tensor: no bias):
-//   input_norm_weight, qkv_packed, qkv_bias, o_packed, o_bias, post_norm_weight,
-//   gate_up_packed (gated panels: silu(gate) * up), gate_up_bias, down_packed, down_bias, k_cache, v_cache
+// Per layer, 4 tensors in `layer_tensors`: input_norm_weight, post_norm_weight, k_cache, v_cache.
+// Per layer, 4 linear layers in order (qkv, o, gate_up, down), each described in `linear_specs` as
+// its number of row segments, then per segment (kind, format, rows); each segment takes 2 tensors
+// of `linear_tensors`, its weight and its bias (an empty tensor: no bias). A layer's output is its
+// segments' outputs side by side. A gate/up layer that is one gated panel segment applies
+// act(gate) * up in its epilogue; otherwise `activation` runs after it.
 // Attention follows the step's plan (PagedAttention.cpu_plan), the same for every layer: parts of
 // the batch, each rows [begin, end) through one kernel (0 decode, 1 chunked, 2 AMX prompt) with its
 // own block_tables, query_start_loc and context_lens (3 tensors per part in `part_tensors`).
@@ -21,9 +24,14 @@
 
 namespace {
 
-constexpr int64_t kLayerTensors = 12;
+constexpr int64_t kLayerTensors = 4;
+constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
 enum Kernel : int64_t { kDecode = 0, kChunked = 1, kAmx = 2 };
+// How a segment multiplies: our packed panels (plain, or gated with silu(gate) * up fused), int8
+// tiles (int8_linear), packed quantized blocks (quant_linear), or float rows (torch's linear).
+enum LinearKind : int64_t { kPanel = 0, kGatedPanel = 1, kInt8Tiled = 2, kQuantBlocks = 3, kFloatRows = 4 };
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
 c10::optional<torch::Tensor> bias_or_none(const torch::Tensor& t) {
   if (t.numel() == 0) return c10::nullopt;
@@ -34,6 +42,80 @@ struct Part {
   int64_t kernel, begin, end;
   const torch::Tensor* tensors;  // block_tables, query_start_loc, context_lens
 };
+
+struct Segment {
+  int64_t kind, format, rows;
+  const torch::Tensor* tensors;  // weight, bias
+};
+
+struct Linear {
+  std::vector<Segment> segments;
+  int64_t in_features;
+  bool gated() const { return segments.size() == 1 && segments[0].kind == kGatedPanel; }
+};
+
+torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t k, int64_t small_m) {
+  const torch::Tensor& weight = s.tensors[0];
+  auto bias = bias_or_none(s.tensors[1]);
+  switch (s.kind) {
+    case kPanel: return dense_linear(x, weight, bias, s.rows, k, false);
+    case kGatedPanel: return dense_linear(x, weight, bias, s.rows, k, true);
+    case kFloatRows: return at::linear(x, weight.to(x.scalar_type()), bias);
+    default: break;
+  }
+  // The quantized kernels take and give float32 activations.
+  const bool is_float = x.scalar_type() == at::kFloat;
+  auto x32 = is_float ? x : x.to(at::kFloat);
+  auto y = s.kind == kInt8Tiled ? int8_linear(x32, weight, s.format, s.rows, k, bias)
+                                : quant_linear(x32, weight, s.format, k, bias, small_m);
+  return is_float ? y : y.to(x.scalar_type());
+}
+
+torch::Tensor project(const Linear& linear, const torch::Tensor& x, int64_t small_m) {
+  if (linear.segments.size() == 1) return segment_product(linear.segments[0], x, linear.in_features, small_m);
+  std::vector<torch::Tensor> outputs;
+  for (const Segment& s : linear.segments) outputs.push_back(segment_product(s, x, linear.in_features, small_m));
+  return torch::cat(outputs, -1);
+}
+
+torch::Tensor activate(int64_t activation, const torch::Tensor& gate_up) {
+  switch (activation) {
+    case kGelu: return gelu_and_mul(gate_up);
+    case kGeluTanh: return gelu_tanh_and_mul(gate_up);
+    default: return silu_and_mul(gate_up);
+  }
+}
+
+// The 4 * num_layers linear layers of `specs` / `tensors`, checked against the shapes they must have.
+std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::vector<torch::Tensor>& tensors,
+                                 int64_t num_layers, const int64_t (&in_features)[kLinearsPerLayer],
+                                 const int64_t (&out_features)[kLinearsPerLayer]) {
+  std::vector<Linear> linears;
+  size_t at = 0, tensor_at = 0;
+  for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
+    TORCH_CHECK(at < specs.size(), "linear_specs ends before linear layer ", i);
+    const int64_t count = specs[at++];
+    TORCH_CHECK(count >= 1 && at + 3 * count <= specs.size() && tensor_at + 2 * count <= tensors.size(),
+                "linear layer ", i, ": ", count, " segments do not fit linear_specs / linear_tensors");
+    Linear linear{{}, in_features[i % kLinearsPerLayer]};
+    int64_t rows = 0;
+    for (int64_t s = 0; s < count; ++s) {
+      const Segment segment{specs[at], specs[at + 1], specs[at + 2], tensors.data() + tensor_at};
+      TORCH_CHECK(segment.kind >= kPanel && segment.kind <= kFloatRows, "linear layer ", i, ": unknown kind ",
+                  segment.kind);
+      linear.segments.push_back(segment);
+      rows += segment.rows;
+      at += 3;
+      tensor_at += 2;
+    }
+    TORCH_CHECK(rows == out_features[i % kLinearsPerLayer], "linear layer ", i, " has ", rows, " output rows, expected ",
+                out_features[i % kLinearsPerLayer]);
+    linears.push_back(std::move(linear));
+  }
+  TORCH_CHECK(at == specs.size() && tensor_at == tensors.size(), "linear_specs / linear_tensors longer than ",
+              num_layers, " layers");
+  return linears;
+}
 
 torch::Tensor attend(const Part& part, const torch::Tensor& query, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, double scale, int64_t window) {
@@ -48,10 +130,11 @@ torch::Tensor attend(const Part& part, const torch::Tensor& query, const torch::
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
-    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> sliding_windows,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels,
-    std::vector<int64_t> part_rows, std::vector<torch::Tensor> part_tensors, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale) {
+    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
+    std::vector<torch::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
+    std::vector<torch::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate_size, int64_t activation, int64_t small_m, double eps, double scale) {
   const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
   const int64_t num_parts = static_cast<int64_t>(part_kernels.size());
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kLayerTensors, "expected ",
@@ -62,6 +145,10 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t in_features[kLinearsPerLayer] = {hidden_size, q_size, hidden_size, intermediate_size};
+  const int64_t out_features[kLinearsPerLayer] = {q_size + 2 * kv_size, hidden_size, 2 * intermediate_size,
+                                                  hidden_size};
+  const std::vector<Linear> linears = read_linears(linear_specs, linear_tensors, num_layers, in_features, out_features);
   std::vector<Part> parts;
   for (int64_t p = 0; p < num_parts; ++p) {
     const int64_t begin = part_rows[2 * p], end = part_rows[2 * p + 1];
@@ -73,35 +160,38 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
   torch::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
     const torch::Tensor* t = layer_tensors.data() + i * kLayerTensors;
+    const torch::Tensor &k_cache = t[2], &v_cache = t[3];
+    const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, gate_up, down
     if (!residual.defined()) {
       residual = hidden;
       hidden = rms_norm(hidden, t[0], eps, false);
     } else {
       fused_add_rms_norm(hidden, residual, t[0], eps, false);
     }
-    auto qkv = dense_linear(hidden, t[1], bias_or_none(t[2]), q_size + 2 * kv_size, hidden_size, false);
+    auto qkv = project(linear[0], hidden, small_m);
     // q and k rotated in one go: they are adjacent in the fused output.
     rotary_embedding_inplace(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}),
                              cos, sin);
     auto query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     auto key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    write_kv_cache(key, value, t[10], t[11], slot_mapping);
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
     torch::Tensor attended;
     if (whole) {
-      attended = attend(parts[0], query, t[10], t[11], scale, sliding_windows[i]);
+      attended = attend(parts[0], query, k_cache, v_cache, scale, sliding_windows[i]);
     } else {
       attended = torch::empty({tokens, num_heads, head_dim}, query.options());
       for (const Part& part : parts) {
         attended.narrow(0, part.begin, part.end - part.begin)
-            .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), t[10], t[11], scale,
+            .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), k_cache, v_cache, scale,
                           sliding_windows[i]));
       }
     }
-    auto h = dense_linear(attended.reshape({tokens, q_size}), t[3], bias_or_none(t[4]), hidden_size, q_size, false);
-    fused_add_rms_norm(h, residual, t[5], eps, false);
-    auto activated = dense_linear(h, t[6], bias_or_none(t[7]), 2 * intermediate_size, hidden_size, true);
-    hidden = dense_linear(activated, t[8], bias_or_none(t[9]), hidden_size, intermediate_size, false);
+    auto h = project(linear[1], attended.reshape({tokens, q_size}), small_m);
+    fused_add_rms_norm(h, residual, t[1], eps, false);
+    auto activated = project(linear[2], h, small_m);
+    if (!linear[2].gated()) activated = activate(activation, activated);
+    hidden = project(linear[3], activated, small_m);
   }
   return {hidden, residual};
 }
