@@ -255,8 +255,12 @@ using pagedllm::amx_ready;
 // tiles by two); tmm4-5 16 rows x 32 inputs of x each; tmm6-7 16 input pairs x 16 outputs of the panel each.
 
 // ROW_TILES x 16 rows of x against one panel: sums into out[16 * ROW_TILES][32]. k_dim % 32 == 0.
+// `next_panel` null: the panel comes from memory, prefetched two steps ahead. Otherwise the panel is
+// in cache (an earlier block of rows read it) and the same step's part of the next panel is
+// prefetched into L2 instead, so that memory keeps streaming while these multiplies run.
 template <int ROW_TILES>
-inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_dim, float* out) {
+inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_dim, float* out,
+                      const uint16_t* next_panel) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (ROW_TILES == 2) {
@@ -267,12 +271,18 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
   constexpr int64_t w_stride = 2 * kPanel * 2;  // bytes per pair-row of the panel
   for (int64_t k = 0; k < k_dim; k += 32) {
     const uint16_t* w = panel + k * kPanel;  // 16 pair-rows of the panel
-    // Tiles are not renamed: the next step's weight loads wait for this step's multiplies, so
-    // they must not also wait for memory. Two steps ahead, into the next panel at the end.
-    for (int line = 0; line < 32; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * 32 * kPanel) + 64 * line, _MM_HINT_T0);
+    if (next_panel == nullptr) {
+      // Tiles are not renamed: the next step's weight loads wait for this step's multiplies, so
+      // they must not also wait for memory. Two steps ahead, into the next panel at the end.
+      for (int line = 0; line < 32; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + 2 * 32 * kPanel) + 64 * line, _MM_HINT_T0);
+      }
+    } else {
+      for (int line = 0; line < 32; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel) + 64 * line, _MM_HINT_T1);
+      }
     }
-    _tile_loadd(6, w, w_stride);
+  _tile_loadd(6, w, w_stride);
     _tile_loadd(7, w + 32, w_stride);
     _tile_loadd(4, x + k, x_stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -292,7 +302,8 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
   }
 }
 
-// All rows through AMX: blocks of 32, then the rest (zero-padded to 16 or 32 rows in `tail`).
+// All rows through AMX: blocks of 32, then the rest (zero-padded to 16 or 32 rows in `tail`), each
+// panel taken once per block of rows for all of that block's tiles (the rest included).
 void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* packed, int64_t k_dim, int64_t n_dim,
               const Epilogue<at::BFloat16>& write) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
@@ -305,25 +316,26 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
     pagedllm::configure_full_tiles();
-    for (int64_t m0 = 0; m0 < full_rows; m0 += row_block) {
-      const int64_t m1 = std::min(full_rows, m0 + row_block);
+    for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
+      const int64_t m1 = std::min(rows, m0 + row_block), full_end = std::min(m1, full_rows);
       for (int64_t p = p_begin; p < p_end; ++p) {
         const uint16_t* panel = packed + p * panel_stride;
-        for (int64_t m = m0; m < m1; m += 32) {
-          amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums);
+        // The first tile of rows reads the panel from memory; the later ones prefetch the next.
+        const uint16_t* next = p + 1 < p_end ? panel + panel_stride : nullptr;
+        const uint16_t* ahead = nullptr;
+        for (int64_t m = m0; m < full_end; m += 32, ahead = next) {
+          amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums, ahead);
           for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
         }
+        if (m1 == rows && rest > 0) {  // the rows past the last full tile, zero-padded in `tail`
+          if (rest_tiles == 1) {
+            amx_block<1>(tail.data(), k_dim, panel, k_dim, sums, ahead);
+          } else {
+            amx_block<2>(tail.data(), k_dim, panel, k_dim, sums, ahead);
+          }
+          for (int64_t r = 0; r < rest; ++r) write(sums + r * kPanel, full_rows + r, p);
+        }
       }
-    }
-    // The rows past the last full block, zero-padded in `tail`.
-    for (int64_t p = p_begin; p < p_end && rest > 0; ++p) {
-      const uint16_t* panel = packed + p * panel_stride;
-      if (rest_tiles == 1) {
-        amx_block<1>(tail.data(), k_dim, panel, k_dim, sums);
-      } else {
-        amx_block<2>(tail.data(), k_dim, panel, k_dim, sums);
-      }
-      for (int64_t r = 0; r < rest; ++r) write(sums + r * kPanel, full_rows + r, p);
     }
     _tile_release();
   });
