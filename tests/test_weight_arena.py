@@ -42,7 +42,7 @@ def test_weights_move_into_one_arena_and_compute_the_same(kind, tmp_path, monkey
     assert len(_storages(model)) == 1
     moved = _step_logits(model, model_config)
 
-    monkeypatch.setenv("PAGEDLLM_WEIGHT_ARENA", "0")
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
     if kind == "panels":
         model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
     else:

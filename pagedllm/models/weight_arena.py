@@ -6,14 +6,12 @@ whatever pages the allocator hands out while loading churns through temporaries,
 physical pages end up scattered: measured on a 2-core AMX Xeon (a VM), the default model's 30
 bfloat16 gate/up weights at 64 rows took 12-15 ms in the pages they were packed into, 10-11 ms
 in fresh copies or in huge pages, the physical pages of the copies being in long runs and those
-of the originals in runs of a few pages. One anonymous mapping advised for transparent huge pages
-(2 MB pages, each physically contiguous) holds every packed weight back to back, so the layout no
-longer depends on the load's history; where the kernel gives no huge pages, the mapping's pages
-are still fresh ones.
+of the originals in runs of a few pages. One mapping in huge pages (pagedllm/huge_pages.py) holds
+every packed weight back to back, so the layout no longer depends on the load's history.
 
 What moves: our panel-packed float weights (linear layers and the LM head) and the row segments of
 quantized weights (int8 tiles, packed blocks, float rows). Plain parameters (norms, biases, a float
-embedding looked up by rows) and oneDNN's opaque weights stay. ``PAGEDLLM_WEIGHT_ARENA=0`` leaves
+embedding looked up by rows) and oneDNN's opaque weights stay. ``PAGEDLLM_HUGE_PAGES=0`` leaves
 everything where it was loaded.
 """
 
@@ -21,38 +19,31 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
-import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from pagedllm.huge_pages import huge_page_buffer, huge_pages_enabled
 from pagedllm.models.cpu_gemm import PanelWeight
 from pagedllm.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
 _ALIGN = 64  # a cache line: what the kernels' vector loads assume at most
 
 
 def move_weights_to_arena(model: nn.Module) -> int:
     """Copy the model's packed CPU weights into one huge-page mapping; returns the bytes moved."""
-    if os.environ.get("PAGEDLLM_WEIGHT_ARENA", "1") == "0":
+    if not huge_pages_enabled():
         return 0
     slots = _weight_slots(model)
     if not slots:
         return 0
     sizes = [_aligned(tensor.numel() * tensor.element_size()) for tensor, _ in slots]
     total = sum(sizes)
-    buffer = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
-    start = -arena.data_ptr() % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # madvise wants a page-aligned start; the arena's start is 2 MB aligned, so it is.
-        buffer.madvise(mmap.MADV_HUGEPAGE, start, total)
-    offset = start
+    arena = huge_page_buffer(total)
+    offset = 0
     for (tensor, replace), size in zip(slots, sizes, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         moved = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
