@@ -7,6 +7,9 @@ mapping of its own, advised for huge pages, gets 2 MB pages where the kernel all
 (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise`` or ``always``) and fresh pages
 otherwise. ``PAGEDLLM_HUGE_PAGES=0`` turns it off (callers then keep torch's allocations). The KV
 cache was tried in huge pages too: no difference measured (its blocks are read in 6 KB runs).
+
+Measured on a 2-core VM: reading 64 MB took 10 ms in 4 KB pages and 4.4 ms in huge pages; after
+2 s untouched, 309 ms and 32 ms (memory a VM leaves idle comes back slowly, and per page).
 """
 
 from __future__ import annotations
@@ -32,4 +35,3 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE") and nbytes:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     return whole[start:start + nbytes]
-
