@@ -282,7 +282,7 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
         _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel) + 64 * line, _MM_HINT_T1);
       }
     }
-  _tile_loadd(6, w, w_stride);
+    _tile_loadd(6, w, w_stride);
     _tile_loadd(7, w + 32, w_stride);
     _tile_loadd(4, x + k, x_stride);
     _tile_dpbf16ps(0, 4, 6);
