@@ -215,7 +215,7 @@ class DecoderModel(nn.Module):
     def _layer_stack(self, hidden: torch.Tensor, kv_caches: list[KVCache] | None,
                      meta: AttentionMetadata | None) -> LayerStack | None:
         """The C++ loop over the layers when it serves this model on CPU (decided once per set of
-        packed weights); None for a step without a cache (profiling) or with autograd on."""
+        weights, packed or quantized); None for a step without a cache (profiling) or with autograd on."""
         if meta is None or kv_caches is None or hidden.device.type != "cpu" or torch.is_grad_enabled():
             return None
         key = weights_key(self)

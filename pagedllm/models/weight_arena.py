@@ -31,6 +31,8 @@ from pagedllm.quantization.packed import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # a cache line: what the kernels' vector loads assume at most
+# A weight tensor and the function that puts its moved copy in its place.
+Slot = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
 
 def move_weights_to_arena(model: nn.Module) -> int:
@@ -69,9 +71,6 @@ def _return_freed_memory() -> None:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-Slot = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
 
 def _weight_slots(model: nn.Module) -> list[Slot]:
