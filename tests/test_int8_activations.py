@@ -16,7 +16,7 @@ from test_quantized import GGUF_TYPES, _gguf, _greedy, _packed, _prompts, _vocab
 from pagedllm import LLM
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.quantization.apply import packed_weight_bytes
-from pagedllm.quantization.int8_tiles import Int8TiledTensor, int8_tiling_reason, tile_for_int8
+from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS, Int8TiledTensor, int8_tiling_reason, tile_for_int8
 from pagedllm.quantization.quantize import quantize_int4_groups, quantize_int8_per_channel
 
 pytestmark = pytest.mark.skipif(int8_tiling_reason(torch.device("cpu")) is not None,
@@ -28,9 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x with every block of 32 rounded to its int8 grid (scale max|x| / 127): what the kernel multiplies."""
     blocks = x.view(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (torch.round(blocks / safe) * scale).view_as(x)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # The kernel's arithmetic: multiply by 127 / amax (a division rounds some halves the other way).
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127)).view_as(x)
 
 
 def _weights() -> list[tuple[str, object]]:
@@ -60,13 +61,22 @@ def test_int8_kernel_equals_its_arithmetic(name, packed):
     bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 5, "Q5_K": 9, "Q6_K": 7, "I4_G64": 5, "I4_G128": 5,
             "I8_ROW": 8.5}[name]
     assert tiled.nbytes == 48 * 512 * bits / 8
-    for rows in (1, 3, 4, 7, 33):
+    for rows in (1, 3, 4, 7, AMX_MIN_ROWS - 1):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         x[0, :32] = 0.0  # an all-zero activation block
         bias = torch.randn(37)
         expected = torch.nn.functional.linear(_int8_blocks(x), weight, bias)
         got = tiled.linear(x, bias)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    # A prompt's rows on AMX: the product of the weight and activations rounded to bfloat16.
+    amx = load_cpu_kernels().decoded_gemm_supported(512)
+    for rows in (AMX_MIN_ROWS, 3 * AMX_MIN_ROWS // 2 + 5):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        bias = torch.randn(37)
+        on_amx = amx and rows >= AMX_MIN_ROWS
+        operands = (x.bfloat16().float(), weight.bfloat16().float()) if on_amx else (_int8_blocks(x), weight)
+        expected = torch.nn.functional.linear(*operands, bias)
+        torch.testing.assert_close(tiled.linear(x, bias), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     ids = torch.tensor([[36, 0], [16, 15]])
     torch.testing.assert_close(tiled.take_rows(ids), weight[ids], rtol=0, atol=0)
 
@@ -76,7 +86,10 @@ def test_gguf_engine_with_int8_activations(types, gguf_dir, tokenizer_dir):  # n
     from gguf_models import Q4_K_M
 
     path = _gguf(gguf_dir, tokenizer_dir, types, Q4_K_M if types == "Q4_K_M" else types)
-    llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, int8_activations=True)
+    # No prefix cache: a hit would shorten the second run's prompt step, and how a step multiplies
+    # (integer dot products, or bfloat16 on AMX from AMX_MIN_ROWS rows) depends on its row count.
+    llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, int8_activations=True,
+              enable_prefix_caching=False)
     packed_bytes, found = packed_weight_bytes(llm.llm_engine.worker.runner.model)
     assert set(found) == ({"Q4_K/int8-tiled", "Q6_K/int8-tiled"} if types == "Q4_K_M" else {"Q4_0/int8-tiled"})
     assert packed_bytes <= os.path.getsize(path) * 1.15

@@ -27,7 +27,7 @@ from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.models.layers import RMSNorm
-from pagedllm.quantization.int8_tiles import Int8TiledTensor
+from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS, Int8TiledTensor
 from pagedllm.quantization.kernels import SMALL_M, cpu_kernels_serve
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
@@ -117,7 +117,7 @@ class LayerStack:
         return self._module.run_layer_stack(
             hidden, tensors, self.linear_specs, self.linear_tensors, self.windows, cos.squeeze(1), sin.squeeze(1),
             meta.slot_mapping, kernels, rows, part_tensors, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, self.activation, SMALL_M, self.eps, self.scale,
+            self.intermediate_size, self.activation, SMALL_M, AMX_MIN_ROWS, self.eps, self.scale,
         )
 
 

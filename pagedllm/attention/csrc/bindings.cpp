@@ -27,7 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_tiling_supported", &int8_tiling_supported, "Whether a packed format can be int8-tiled here");
   m.def("int8_tile_weight", &int8_tile_weight, "A packed weight re-tiled for int8 dot products (CPU)");
   m.def("int8_tiled_rows", &int8_tiled_rows, "Rows of an int8-tiled weight as float32 (CPU)");
-  m.def("int8_linear", &int8_linear, "int8(x) @ W^T + bias over an int8-tiled weight (CPU)", ReleaseGil());
+  m.def("int8_linear", &int8_linear,
+        "int8(x) @ W^T + bias over an int8-tiled weight; from amx_min_rows rows on (0: never), on AMX, "
+        "bfloat16(x) @ bfloat16(W)^T + bias (CPU)", ReleaseGil());
+  m.def("decoded_gemm_supported", &decoded_gemm_supported,
+        "Whether products over bfloat16-decoded weight panels run on AMX here for this many inputs");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into a new tensor (gemma: scale by 1 + weight) (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual += x, then x = RMSNorm(residual) (gemma: scale by 1 + weight) (CPU)");

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -302,40 +303,79 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
   }
 }
 
+// Rows [m0, m1) of x against one panel: full blocks of 32 rows up to full_rows, then (when m1 is the
+// last row) the rest, zero-padded to rest_tiles x 16 rows in `tail`. The first tile reads the panel
+// from memory; the later ones prefetch `next` (the thread's next panel; null: none).
+template <typename T>
+inline void amx_panel_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t m1, int64_t rows, int64_t full_rows,
+                           int rest_tiles, const uint16_t* tail, const uint16_t* panel, int64_t k_dim,
+                           const uint16_t* next, float* sums, const Epilogue<T>& write, int64_t p) {
+  const uint16_t* ahead = nullptr;
+  for (int64_t m = m0; m < std::min(m1, full_rows); m += 32, ahead = next) {
+    amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums, ahead);
+    for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
+  }
+  if (m1 == rows && rest_tiles > 0) {
+    if (rest_tiles == 1) {
+      amx_block<1>(tail, k_dim, panel, k_dim, sums, ahead);
+    } else {
+      amx_block<2>(tail, k_dim, panel, k_dim, sums, ahead);
+    }
+    for (int64_t r = 0; r < rows - full_rows; ++r) write(sums + r * kPanel, full_rows + r, p);
+  }
+}
+
+// The rows past the last full tile of 32, zero-padded to one or two tiles of 16 rows.
+inline std::vector<uint16_t> amx_tail(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k_dim, int* tiles) {
+  const int64_t full_rows = rows / 32 * 32, rest = rows - full_rows;
+  *tiles = rest == 0 ? 0 : (rest <= 16 ? 1 : 2);
+  std::vector<uint16_t> tail(*tiles * 16 * k_dim, 0);
+  for (int64_t r = 0; r < rest; ++r) std::memcpy(tail.data() + r * k_dim, x + (full_rows + r) * ldx, k_dim * 2);
+  return tail;
+}
+
 // All rows through AMX: blocks of 32, then the rest (zero-padded to 16 or 32 rows in `tail`), each
 // panel taken once per block of rows for all of that block's tiles (the rest included).
 void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* packed, int64_t k_dim, int64_t n_dim,
               const Epilogue<at::BFloat16>& write) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<at::BFloat16>::stride(k_dim);
-  const int64_t full_rows = rows / 32 * 32, rest = rows - full_rows;
-  const int rest_tiles = rest == 0 ? 0 : (rest <= 16 ? 1 : 2);
-  std::vector<uint16_t> tail(rest_tiles * 16 * k_dim, 0);
-  for (int64_t r = 0; r < rest; ++r) std::memcpy(tail.data() + r * k_dim, x + (full_rows + r) * ldx, k_dim * 2);
+  const int64_t full_rows = rows / 32 * 32;
+  int rest_tiles = 0;
+  const std::vector<uint16_t> tail = amx_tail(x, ldx, rows, k_dim, &rest_tiles);
   const int64_t row_block = row_block_rows(k_dim * 2, 32);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
     pagedllm::configure_full_tiles();
     for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
-      const int64_t m1 = std::min(rows, m0 + row_block), full_end = std::min(m1, full_rows);
+      const int64_t m1 = std::min(rows, m0 + row_block);
       for (int64_t p = p_begin; p < p_end; ++p) {
         const uint16_t* panel = packed + p * panel_stride;
-        // The first tile of rows reads the panel from memory; the later ones prefetch the next.
         const uint16_t* next = p + 1 < p_end ? panel + panel_stride : nullptr;
-        const uint16_t* ahead = nullptr;
-        for (int64_t m = m0; m < full_end; m += 32, ahead = next) {
-          amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums, ahead);
-          for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
-        }
-        if (m1 == rows && rest > 0) {  // the rows past the last full tile, zero-padded in `tail`
-          if (rest_tiles == 1) {
-            amx_block<1>(tail.data(), k_dim, panel, k_dim, sums, ahead);
-          } else {
-            amx_block<2>(tail.data(), k_dim, panel, k_dim, sums, ahead);
-          }
-          for (int64_t r = 0; r < rest; ++r) write(sums + r * kPanel, full_rows + r, p);
-        }
+        amx_panel_rows(x, ldx, m0, m1, rows, full_rows, rest_tiles, tail.data(), panel, k_dim, next, sums, write, p);
       }
+    }
+    _tile_release();
+  });
+}
+
+// All rows through AMX over panels that `decode` writes into a buffer of the thread, one at a time:
+// each panel is decoded once and multiplied by every row while it is in cache.
+void amx_gemm_decoded(const uint16_t* x, int64_t rows, int64_t k_dim, int64_t n_dim, const PanelDecoder& decode,
+                      const Epilogue<float>& write) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
+  const int64_t panel_stride = Panel<at::BFloat16>::stride(k_dim);
+  const int64_t full_rows = rows / 32 * 32;
+  int rest_tiles = 0;
+  const std::vector<uint16_t> tail = amx_tail(x, k_dim, rows, k_dim, &rest_tiles);
+  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    alignas(64) float sums[32 * kPanel];
+    std::vector<uint16_t> buffer(panel_stride + 32);  // 64-byte aligned view below
+    uint16_t* panel = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    pagedllm::configure_full_tiles();
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      decode(p, panel);
+      amx_panel_rows(x, k_dim, 0, rows, rows, full_rows, rest_tiles, tail.data(), panel, k_dim, nullptr, sums, write, p);
     }
     _tile_release();
   });
@@ -439,6 +479,36 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
     }
 #endif
   }
+#endif
+  return y.view(sizes);
+}
+
+bool decoded_gemm_supported(int64_t k_dim) {
+#if defined(__AMX_BF16__)
+  return k_dim % 32 == 0 && amx_ready();
+#else
+  (void)k_dim;
+  return false;
+#endif
+}
+
+torch::Tensor decoded_linear(torch::Tensor x, const PanelDecoder& decode, int64_t n_dim, int64_t k_dim,
+                             const float* bias) {
+  TORCH_CHECK(decoded_gemm_supported(k_dim), "no AMX GEMM over decoded panels of ", k_dim, " inputs on this CPU");
+  TORCH_CHECK(x.size(-1) == k_dim, "x has ", x.size(-1), " features, the weight ", k_dim);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n_dim;
+  auto x2 = x.reshape({-1, k_dim}).to(at::kBFloat16).contiguous();
+  const int64_t rows = x2.size(0);
+  auto y = torch::empty({rows, n_dim}, x.options().dtype(at::kFloat));
+#if defined(__AMX_BF16__)
+  if (rows > 0) {
+    const Epilogue<float> write{bias, y.data_ptr<float>(), n_dim, n_dim, false};
+    amx_gemm_decoded(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k_dim, n_dim, decode, write);
+  }
+#else
+  (void)decode;
+  (void)bias;
 #endif
   return y.view(sizes);
 }

@@ -54,7 +54,12 @@ struct Linear {
   bool gated() const { return segments.size() == 1 && segments[0].kind == kGatedPanel; }
 };
 
-torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t k, int64_t small_m) {
+// Row counts at which the quantized kernels change method (quant_linear's small_m, int8_linear's amx_min_rows).
+struct RowThresholds {
+  int64_t small_m, int8_amx;
+};
+
+torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t k, const RowThresholds& rows) {
   const torch::Tensor& weight = s.tensors[0];
   auto bias = bias_or_none(s.tensors[1]);
   switch (s.kind) {
@@ -66,15 +71,15 @@ torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t 
   // The quantized kernels take and give float32 activations.
   const bool is_float = x.scalar_type() == at::kFloat;
   auto x32 = is_float ? x : x.to(at::kFloat);
-  auto y = s.kind == kInt8Tiled ? int8_linear(x32, weight, s.format, s.rows, k, bias)
-                                : quant_linear(x32, weight, s.format, k, bias, small_m);
+  auto y = s.kind == kInt8Tiled ? int8_linear(x32, weight, s.format, s.rows, k, bias, rows.int8_amx)
+                                : quant_linear(x32, weight, s.format, k, bias, rows.small_m);
   return is_float ? y : y.to(x.scalar_type());
 }
 
-torch::Tensor project(const Linear& linear, const torch::Tensor& x, int64_t small_m) {
-  if (linear.segments.size() == 1) return segment_product(linear.segments[0], x, linear.in_features, small_m);
+torch::Tensor project(const Linear& linear, const torch::Tensor& x, const RowThresholds& rows) {
+  if (linear.segments.size() == 1) return segment_product(linear.segments[0], x, linear.in_features, rows);
   std::vector<torch::Tensor> outputs;
-  for (const Segment& s : linear.segments) outputs.push_back(segment_product(s, x, linear.in_features, small_m));
+  for (const Segment& s : linear.segments) outputs.push_back(segment_product(s, x, linear.in_features, rows));
   return torch::cat(outputs, -1);
 }
 
@@ -134,7 +139,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
     std::vector<torch::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
     std::vector<torch::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate_size, int64_t activation, int64_t small_m, double eps, double scale) {
+    int64_t intermediate_size, int64_t activation, int64_t small_m, int64_t int8_amx_min_rows, double eps,
+    double scale) {
+  const RowThresholds thresholds{small_m, int8_amx_min_rows};
   const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
   const int64_t num_parts = static_cast<int64_t>(part_kernels.size());
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kLayerTensors, "expected ",
@@ -168,7 +175,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
     } else {
       fused_add_rms_norm(hidden, residual, t[0], eps, false);
     }
-    auto qkv = project(linear[0], hidden, small_m);
+    auto qkv = project(linear[0], hidden, thresholds);
     // q and k rotated in one go: they are adjacent in the fused output.
     rotary_embedding_inplace(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}),
                              cos, sin);
@@ -187,11 +194,11 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
                           sliding_windows[i]));
       }
     }
-    auto h = project(linear[1], attended.reshape({tokens, q_size}), small_m);
+    auto h = project(linear[1], attended.reshape({tokens, q_size}), thresholds);
     fused_add_rms_norm(h, residual, t[1], eps, false);
-    auto activated = project(linear[2], h, small_m);
+    auto activated = project(linear[2], h, thresholds);
     if (!linear[2].gated()) activated = activate(activation, activated);
-    hidden = project(linear[3], activated, small_m);
+    hidden = project(linear[3], activated, thresholds);
   }
   return {hidden, residual};
 }

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "quant_formats.h"
 
 namespace {
@@ -311,6 +312,31 @@ inline int32_t x4_at(const int8_t* p) {
   return v;
 }
 
+// The unsigned quants of scale block f of a panel as [16 rows x 4 inputs] operands: ops[s] holds
+// inputs f * Flush + 4s .. + 3.
+template <int Bits, int Flush>
+inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush / 4]) {
+  const u8x64 low = (u8x64){} + 0xF;
+  if constexpr (Bits == 4) {
+    for (int c = 0; c < Flush / 8; ++c) {
+      const u8x64 v = load_u8x64(quants + (f * Flush / 8 + c) * 64);
+      ops[2 * c] = v & low;
+      ops[2 * c + 1] = (v >> 4) & low;
+    }
+  } else if constexpr (Bits == 6) {
+    static_assert(Flush == 16, "6-bit panels hold 16-input groups");
+    const uint8_t* g = quants + f * 192;
+    const u8x64 n0 = load_u8x64(g), n1 = load_u8x64(g + 64), h = load_u8x64(g + 128);
+    const u8x64 three = (u8x64){} + 0x30;
+    ops[0] = (n0 & low) | ((h << 4) & three);
+    ops[1] = ((n0 >> 4) & low) | ((h << 2) & three);
+    ops[2] = (n1 & low) | (h & three);
+    ops[3] = ((n1 >> 4) & low) | ((h >> 2) & three);
+  } else {
+    for (int s = 0; s < Flush / 4; ++s) ops[s] = load_u8x64(quants + (f * Flush / 4 + s) * 64);
+  }
+}
+
 // y[m, panel rows] for MR activation rows starting at m0, over one panel.
 template <int Bits, int Flush, int MR>
 void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
@@ -321,34 +347,13 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
   vec16 acc[MR] = {};
   const int8_t* xrow[MR];
   for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
-  const u8x64 low = (u8x64){} + 0xF;
   for (int64_t f = 0; f < k / Flush; ++f) {
     i32v iacc[MR] = {};
     const int64_t k0 = f * Flush;
-    if constexpr (Bits == 4) {
-      for (int c = 0; c < Flush / 8; ++c) {
-        const u8x64 v = load_u8x64(quants + (k0 / 8 + c) * 64);
-        const u8x64 w0 = v & low, w1 = (v >> 4) & low;
-        for (int m = 0; m < MR; ++m) {
-          iacc[m] = dot4(iacc[m], w0, x4_at(xrow[m] + k0 + 8 * c));
-          iacc[m] = dot4(iacc[m], w1, x4_at(xrow[m] + k0 + 8 * c + 4));
-        }
-      }
-    } else if constexpr (Bits == 6) {
-      static_assert(Flush == 16, "6-bit panels hold 16-input groups");
-      const uint8_t* g = quants + f * 192;
-      const u8x64 n0 = load_u8x64(g), n1 = load_u8x64(g + 64), h = load_u8x64(g + 128);
-      const u8x64 three = (u8x64){} + 0x30;
-      const u8x64 w[4] = {(n0 & low) | ((h << 4) & three), ((n0 >> 4) & low) | ((h << 2) & three),
-                          (n1 & low) | (h & three), ((n1 >> 4) & low) | ((h >> 2) & three)};
-      for (int s = 0; s < 4; ++s)
-        for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], w[s], x4_at(xrow[m] + k0 + 4 * s));
-    } else {
-      for (int s = 0; s < Flush / 4; ++s) {
-        const u8x64 w = load_u8x64(quants + (k0 / 4 + s) * 64);
-        for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], w, x4_at(xrow[m] + k0 + 4 * s));
-      }
-    }
+    u8x64 ops[Flush / 4];
+    block_operands<Bits, Flush>(quants, f, ops);
+    for (int s = 0; s < Flush / 4; ++s)
+      for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], ops[s], x4_at(xrow[m] + k0 + 4 * s));
     const vec16 sc = load_half16(scales + f * kPanel);
     const vec16 mn = t.has_mins ? load_half16(mins + f * kPanel) : sc * t.min_factor;
     for (int m = 0; m < MR; ++m) {
@@ -359,6 +364,68 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
   }
   for (int m = 0; m < MR; ++m) out[m] = acc[m];
 }
+
+#if defined(__AVX512BF16__)
+// Outputs 32p .. 32p + 31 of a tiled weight (its panels 2p and 2p + 1) as bfloat16 weights, scale * q
+// + offset rounded to nearest even (as the float weight's .to(bfloat16)), in the packed layout of
+// dense_gemm_cpu.cpp: out[k / 2][32][2]. An operand's lane 4r + j (row r, input j) goes to pair-row
+// j / 2, output r, slot j % 2: its even 32-bit pairs form one pair-row, its odd pairs the next.
+template <int Bits, int Flush>
+void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k, int64_t p, uint16_t* out) {
+  const int64_t pb = panel_bytes(t, k);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512i lane_row[4];  // for lanes 16i .. 16i + 15 of an operand: the row 4i + lane / 4
+  for (int i = 0; i < 4; ++i) lane_row[i] = _mm512_set_epi32(
+      4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 2,
+      4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i, 4 * i, 4 * i, 4 * i);
+  for (int half = 0; half < 2; ++half) {
+    uint16_t* dst = out + 16 * half * 2;
+    const int64_t source = 2 * p + half;
+    if (source >= n_panels) {  // past the last row: zeros
+      for (int64_t kp = 0; kp < k / 2; ++kp) std::memset(dst + kp * 64, 0, 64);
+      continue;
+    }
+    const uint8_t* panel = w + source * pb;
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
+    const uint16_t* mins = scales + (k / Flush) * kPanel;
+    for (int64_t f = 0; f < k / Flush; ++f) {
+      __m512 sc, mn;
+      const vec16 s16 = load_half16(scales + f * kPanel);
+      const vec16 m16 = t.has_mins ? load_half16(mins + f * kPanel) : s16 * t.min_factor;
+      std::memcpy(&sc, &s16, 64);
+      std::memcpy(&mn, &m16, 64);
+      __m512 lane_scale[4], lane_offset[4];
+      for (int i = 0; i < 4; ++i) {
+        lane_scale[i] = _mm512_permutexvar_ps(lane_row[i], sc);
+        lane_offset[i] = _mm512_permutexvar_ps(lane_row[i], mn);
+      }
+      u8x64 ops[Flush / 4];
+      block_operands<Bits, Flush>(panel, f, ops);
+      for (int s = 0; s < Flush / 4; ++s) {
+        __m512i v;
+        std::memcpy(&v, &ops[s], 64);
+        __m512 value[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, i));
+          value[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), lane_scale[i], lane_offset[i]);
+        }
+        const __m512i rows0 = (__m512i)_mm512_cvtne2ps_pbh(value[1], value[0]);  // rows 0-7
+        const __m512i rows8 = (__m512i)_mm512_cvtne2ps_pbh(value[3], value[2]);  // rows 8-15
+        const int64_t kp = (f * Flush + 4 * s) / 2;
+        _mm512_store_si512(dst + kp * 64, _mm512_permutex2var_epi32(rows0, even, rows8));
+        _mm512_store_si512(dst + (kp + 1) * 64, _mm512_permutex2var_epi32(rows0, odd, rows8));
+      }
+    }
+  }
+}
+
+PanelDecoder dense_panel_decoder(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k) {
+  if (t.bits == 4) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32>(t, w, n_panels, k, p, out); };
+  if (t.bits == 6) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<6, 16>(t, w, n_panels, k, p, out); };
+  return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<8, 32>(t, w, n_panels, k, p, out); };
+}
+#endif
 
 // Activation rows per pass over a panel: each unpacked weight operand is used this many times.
 // Their int32 and float accumulators take 2 x 8 of AVX-512's 32 vector registers; with 256-bit
@@ -530,9 +597,13 @@ torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_row
   return out;
 }
 
-// y = quantize_int8(x) @ W^T + bias for an int8-tiled W [n_rows, k].
+// y = quantize_int8(x) @ W^T + bias for an int8-tiled W [n_rows, k]; from amx_min_rows rows of x on
+// (0: never), where AMX runs, y = bfloat16(x) @ bfloat16(W)^T + bias instead: a prompt's many rows
+// share each weight panel, so the product is bound by arithmetic, which AMX's bfloat16 tiles do
+// several times faster than integer dot products in vector registers; decoding a panel to bfloat16
+// once per call costs little beside it.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
-                          c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> bias, int64_t amx_min_rows) {
   const Tiling t = tiling_of(format);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
   TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
@@ -547,6 +618,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, 
     bias_c = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(bias_c.numel() == n_rows, "bias must have ", n_rows, " elements");
   }
+#if defined(__AVX512BF16__)
+  if (amx_min_rows > 0 && m >= amx_min_rows && decoded_gemm_supported(k)) {
+    auto y = decoded_linear(x2, dense_panel_decoder(t, tiled.data_ptr<uint8_t>(), tiled.size(0), k), n_rows, k,
+                            bias.has_value() ? bias_c.data_ptr<float>() : nullptr);
+    return y.view(shape);
+  }
+#endif
   auto xq = torch::empty({m, k}, torch::dtype(torch::kChar));
   auto dx = torch::empty({m, k / kActBlock}, torch::dtype(torch::kFloat));
   auto sums = torch::empty({m, k / t.flush}, torch::dtype(torch::kFloat));
