@@ -10,6 +10,9 @@ activations quantized to int8 per block of 32 (``int8_activations``). Printed:
   the same token) and free-running (the share of positions where both engines' own greedy
   outputs hold the same token).
 
+On a CPU with AMX the int8 engine multiplies rows of 32 and more (the prompts that score the text)
+in bfloat16 on AMX tiles; ``PAGEDLLM_INT8_AMX_MIN_ROWS=0`` keeps every product on int8.
+
     .venv/bin/python benchmarks/int8_activations.py [--model FILE.gguf]
 """
 

@@ -175,7 +175,13 @@ def warm_page_cache(path: str) -> float:
     return time.perf_counter() - start
 
 
+# Seeds of the warm-up prompts, apart from the measured ones (1000 * repeat + small numbers): a
+# warm-up prompt equal to a measured one would make that one a prefix-cache hit.
+WARM_UP_SEEDS = (10**9, 10**9 + 1)
+
+
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
+    assert seed >= 0, "random.Random(-s) gives random.Random(s)'s numbers"
     rng = random.Random(seed)
     return [[rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length)] for _ in range(count)]
 
@@ -284,7 +290,7 @@ def run_model(args: argparse.Namespace, model_name: str, path: str) -> list[Resu
             result.load_s = slot.engine.load_s
             print(f"  {slot.name} loaded in {result.load_s:.1f} s", flush=True)
             try:  # warm-up: a short stream (the batch warm-up comes after the single-stream figures)
-                slot.engine.single(prompts_for(-1, 1, args.prompt_len)[0], 4)
+                slot.engine.single(prompts_for(WARM_UP_SEEDS[0], 1, args.prompt_len)[0], 4)
             except Exception as e:
                 result.error = f"warm-up failed: {e}"
                 print(result.error.splitlines()[0])
@@ -331,7 +337,7 @@ def measure(args: argparse.Namespace, live: list[tuple[Slot, Result]]) -> None:
         try:
             result.memory_single = slot.engine.memory()
             if slot.streams and args.streams and not result.error:
-                slot.engine.batch(prompts_for(-2, 2, args.prompt_len), 4)  # warm-up of the batched path
+                slot.engine.batch(prompts_for(WARM_UP_SEEDS[1], 2, args.prompt_len), 4)  # warm-up of the batched path
         except Exception as e:
             result.notes.append(f"after the single streams: {e}")
     for repeat in range(args.repeats):
@@ -368,14 +374,15 @@ def report(args: argparse.Namespace, results: list[Result], paths: dict[str, str
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); single stream: {args.prompt_len} "
           f"prompt + {args.max_tokens} new tokens, decode only; streams: aggregate output tok/s\n")
     print(f"| model | engine | load s | peak RSS GiB: 1 stream / all | anon / file GiB | weights GiB | "
-          f"1 stream tok/s (roofline) |{streams_cols}")
-    print("|---|---|---:|---:|---:|---:|---|" + "---:|" * len(args.streams))
+          f"1 stream tok/s (roofline) | 1 stream prefill s |{streams_cols}")
+    print("|---|---|---:|---:|---:|---:|---|---:|" + "---:|" * len(args.streams))
     for r in results:
         per_token = weight_bytes_per_token(paths[r.model])
         roofline = bandwidth / per_token
         single = r.median_single()
         peak = r.memory.get("VmHWM")
         single_text = f"{fmt(single, '.2f')} ({roofline:.1f})" if single else "-"
+        prefill = statistics.median(r.prefill_s) if r.prefill_s else None
         cells = "".join(f" {fmt(r.median_streams(n)):>10s} |" for n in args.streams)
         name = r.engine + (f" — {r.error.splitlines()[0][:90]}" if r.error else "")
         weights = r.memory.get("weight_bytes")  # tensors the engine holds (pagedllm reports it)
@@ -384,11 +391,12 @@ def report(args: argparse.Namespace, results: list[Result], paths: dict[str, str
         peak_single = r.memory_single.get("VmHWM")
         peaks = f"{fmt(peak_single and peak_single / 2**30, '.2f')} / {fmt(peak and peak / 2**30, '.2f')}"
         print(f"| {r.model} | {name} | {fmt(r.load_s)} | {peaks} | {split} | "
-              f"{fmt(weights and weights / 2**30, '.2f')} | {single_text} |{cells}")
+              f"{fmt(weights and weights / 2**30, '.2f')} | {single_text} | {fmt(prefill, '.2f')} |{cells}")
         rows.append({"model": r.model, "path": paths[r.model], "file_bytes": os.path.getsize(paths[r.model]),
                      "engine": r.engine, "load_s": r.load_s, "memory": r.memory, "memory_single": r.memory_single,
                      "single_decode_tok_s": r.single_tok_s, "single_decode_tok_s_median": single,
-                     "single_prefill_s": r.prefill_s, "weight_bytes_per_token": per_token,
+                     "single_prefill_s": r.prefill_s, "single_prefill_s_median": prefill,
+                     "weight_bytes_per_token": per_token,
                      "roofline_tok_s": roofline, "streams_tok_s": {str(k): v for k, v in r.streams_tok_s.items()},
                      "streams_tok_s_median": {str(n): r.median_streams(n) for n in args.streams},
                      "notes": r.notes, "error": r.error})

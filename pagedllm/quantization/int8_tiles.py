@@ -19,6 +19,7 @@ every activation where int8 blocks keep 7 of the block's largest, so this is no 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,10 @@ import torch
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.quantization.formats import Format
 
-# Activation rows from which a product runs on AMX over bfloat16-decoded panels (0: never).
-AMX_MIN_ROWS = 32
+# Activation rows from which a product runs on AMX over bfloat16-decoded panels (0: never;
+# PAGEDLLM_INT8_AMX_MIN_ROWS sets it, for comparisons). On a 2-core AMX machine the tiles led the
+# dot products from 16-32 rows on for the default model's shapes, and by 2-3x from 64.
+AMX_MIN_ROWS = int(os.environ.get("PAGEDLLM_INT8_AMX_MIN_ROWS", "32"))
 
 
 @dataclass(slots=True)
