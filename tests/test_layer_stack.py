@@ -153,3 +153,27 @@ def test_models_it_does_not_reproduce_keep_the_python_layers(tmp_path, monkeypat
     model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
     _step_logits(model, model_config)
     assert model.model._stack is None
+
+
+def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
+    """From AMX_MIN_ROWS rows on, int8-tiled products run on AMX over bfloat16-decoded panels; the
+    loop takes the same threshold, so its logits still equal the Python layers' bit for bit. The
+    threshold is lowered to 4 so that this batch's decode steps take that path."""
+    if int8_tiling_reason(torch.device("cpu")) is not None:
+        pytest.skip(int8_tiling_reason(torch.device("cpu")))
+    path = write_tiny_llama_gguf(str(tmp_path / "model.gguf"), "Q4_1", 211)
+    model_config = load_model_config(path, dtype="float32")
+    model_config.int8_activations = True
+    if not load_cpu_kernels().decoded_gemm_supported(model_config.hf_config.hidden_size):
+        pytest.skip("no AMX here")
+    model = build_model(model_config, "cpu")
+    on_dot_products = _step_logits(model, model_config)
+    monkeypatch.setattr("pagedllm.quantization.int8_tiles.AMX_MIN_ROWS", 4)
+    monkeypatch.setattr("pagedllm.models.layer_stack.AMX_MIN_ROWS", 4)
+    runs = _count_stack_runs(monkeypatch)
+    with_stack = _step_logits(model, model_config)
+    assert runs.count([DECODE_KERNEL]) == 4
+    assert not torch.equal(with_stack[1], on_dot_products[1])  # a decode step took the other path
+    without = _without_stack(monkeypatch, model, model_config)
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
