@@ -10,10 +10,11 @@ unpacked weight. Quantizing activations changes results slightly: the greedy out
 token-for-token the dequantized model's (``benchmarks/int8_activations.py`` measures perplexity
 and greedy agreement); ``int8_activations=False`` keeps the exact float-activation kernels.
 
-From ``AMX_MIN_ROWS`` rows of activations on (a prompt), on a CPU with AMX, the kernel decodes each
-16-row panel of the tiling to bfloat16 once per call and multiplies it with the activations rounded
-to bfloat16 on AMX tiles instead: with that many rows per weight the product is bound by arithmetic,
-and AMX's tiles do it several times faster than integer dot products do. bfloat16 keeps 8 bits of
+From ``AMX_MIN_ROWS`` rows of activations on (a prompt, a large decode batch), on a CPU with AMX,
+the kernel decodes each 16-row panel of the tiling to bfloat16 once per call and multiplies it with
+the activations rounded to bfloat16 on AMX tiles instead: with that many rows per weight the
+product is bound by arithmetic, and AMX's tiles do it several times faster than integer dot
+products do. bfloat16 keeps 8 bits of
 every activation where int8 blocks keep 7 of the block's largest, so this is no less exact.
 """
 
@@ -27,10 +28,18 @@ import torch
 from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.quantization.formats import Format
 
+
+def _amx_min_rows() -> int:
+    value = os.environ.get("PAGEDLLM_INT8_AMX_MIN_ROWS", "32")
+    if not value.isdigit():
+        raise ValueError(f"PAGEDLLM_INT8_AMX_MIN_ROWS must be a number of rows (0: never), got {value!r}.")
+    return int(value)
+
+
 # Activation rows from which a product runs on AMX over bfloat16-decoded panels (0: never;
 # PAGEDLLM_INT8_AMX_MIN_ROWS sets it, for comparisons). On a 2-core AMX machine the tiles led the
 # dot products from 16-32 rows on for the default model's shapes, and by 2-3x from 64.
-AMX_MIN_ROWS = int(os.environ.get("PAGEDLLM_INT8_AMX_MIN_ROWS", "32"))
+AMX_MIN_ROWS = _amx_min_rows()
 
 
 @dataclass(slots=True)
