@@ -303,46 +303,50 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
   }
 }
 
-// Rows [m0, m1) of x against one panel: full blocks of 32 rows up to full_rows, then (when m1 is the
-// last row) the rest, zero-padded to rest_tiles x 16 rows in `tail`. The first tile reads the panel
-// from memory; the later ones prefetch `next` (the thread's next panel; null: none).
+// The rows of x as the tiles take them: blocks of 32 up to full_rows, then the rest copied into
+// `tail`, zero-padded to rest_tiles (one or two) tiles of 16 rows.
+struct AmxRows {
+  const uint16_t* x;
+  int64_t ldx, rows, full_rows;
+  int rest_tiles;
+  std::vector<uint16_t> tail;
+
+  AmxRows(const uint16_t* x_, int64_t ldx_, int64_t rows_, int64_t k_dim)
+      : x(x_), ldx(ldx_), rows(rows_), full_rows(rows_ / 32 * 32) {
+    const int64_t rest = rows - full_rows;
+    rest_tiles = rest == 0 ? 0 : (rest <= 16 ? 1 : 2);
+    tail.assign(rest_tiles * 16 * k_dim, 0);
+    for (int64_t r = 0; r < rest; ++r) std::memcpy(tail.data() + r * k_dim, x + (full_rows + r) * ldx, k_dim * 2);
+  }
+};
+
+// Rows [m0, m1) against one panel, the tail too when m1 is the last row. The first tile reads the
+// panel from memory; the later ones prefetch `next` (the thread's next panel; null: none).
 template <typename T>
-inline void amx_panel_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t m1, int64_t rows, int64_t full_rows,
-                           int rest_tiles, const uint16_t* tail, const uint16_t* panel, int64_t k_dim,
+inline void amx_panel_rows(const AmxRows& x, int64_t m0, int64_t m1, const uint16_t* panel, int64_t k_dim,
                            const uint16_t* next, float* sums, const Epilogue<T>& write, int64_t p) {
   const uint16_t* ahead = nullptr;
-  for (int64_t m = m0; m < std::min(m1, full_rows); m += 32, ahead = next) {
-    amx_block<2>(x + m * ldx, ldx, panel, k_dim, sums, ahead);
+  for (int64_t m = m0; m < std::min(m1, x.full_rows); m += 32, ahead = next) {
+    amx_block<2>(x.x + m * x.ldx, x.ldx, panel, k_dim, sums, ahead);
     for (int64_t r = 0; r < 32; ++r) write(sums + r * kPanel, m + r, p);
   }
-  if (m1 == rows && rest_tiles > 0) {
-    if (rest_tiles == 1) {
-      amx_block<1>(tail, k_dim, panel, k_dim, sums, ahead);
+  if (m1 == x.rows && x.rest_tiles > 0) {
+    if (x.rest_tiles == 1) {
+      amx_block<1>(x.tail.data(), k_dim, panel, k_dim, sums, ahead);
     } else {
-      amx_block<2>(tail, k_dim, panel, k_dim, sums, ahead);
+      amx_block<2>(x.tail.data(), k_dim, panel, k_dim, sums, ahead);
     }
-    for (int64_t r = 0; r < rows - full_rows; ++r) write(sums + r * kPanel, full_rows + r, p);
+    for (int64_t r = 0; r < x.rows - x.full_rows; ++r) write(sums + r * kPanel, x.full_rows + r, p);
   }
 }
 
-// The rows past the last full tile of 32, zero-padded to one or two tiles of 16 rows.
-inline std::vector<uint16_t> amx_tail(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k_dim, int* tiles) {
-  const int64_t full_rows = rows / 32 * 32, rest = rows - full_rows;
-  *tiles = rest == 0 ? 0 : (rest <= 16 ? 1 : 2);
-  std::vector<uint16_t> tail(*tiles * 16 * k_dim, 0);
-  for (int64_t r = 0; r < rest; ++r) std::memcpy(tail.data() + r * k_dim, x + (full_rows + r) * ldx, k_dim * 2);
-  return tail;
-}
-
-// All rows through AMX: blocks of 32, then the rest (zero-padded to 16 or 32 rows in `tail`), each
-// panel taken once per block of rows for all of that block's tiles (the rest included).
+// All rows through AMX: each panel taken once per block of rows for all of that block's tiles
+// (the tail included).
 void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* packed, int64_t k_dim, int64_t n_dim,
               const Epilogue<at::BFloat16>& write) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<at::BFloat16>::stride(k_dim);
-  const int64_t full_rows = rows / 32 * 32;
-  int rest_tiles = 0;
-  const std::vector<uint16_t> tail = amx_tail(x, ldx, rows, k_dim, &rest_tiles);
+  const AmxRows tiles(x, ldx, rows, k_dim);
   const int64_t row_block = row_block_rows(k_dim * 2, 32);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
@@ -352,7 +356,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pack
       for (int64_t p = p_begin; p < p_end; ++p) {
         const uint16_t* panel = packed + p * panel_stride;
         const uint16_t* next = p + 1 < p_end ? panel + panel_stride : nullptr;
-        amx_panel_rows(x, ldx, m0, m1, rows, full_rows, rest_tiles, tail.data(), panel, k_dim, next, sums, write, p);
+        amx_panel_rows(tiles, m0, m1, panel, k_dim, next, sums, write, p);
       }
     }
     _tile_release();
@@ -365,9 +369,7 @@ void amx_gemm_decoded(const uint16_t* x, int64_t rows, int64_t k_dim, int64_t n_
                       const Epilogue<float>& write) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<at::BFloat16>::stride(k_dim);
-  const int64_t full_rows = rows / 32 * 32;
-  int rest_tiles = 0;
-  const std::vector<uint16_t> tail = amx_tail(x, k_dim, rows, k_dim, &rest_tiles);
+  const AmxRows tiles(x, k_dim, rows, k_dim);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[32 * kPanel];
     std::vector<uint16_t> buffer(panel_stride + 32);  // 64-byte aligned view below
@@ -375,7 +377,7 @@ void amx_gemm_decoded(const uint16_t* x, int64_t rows, int64_t k_dim, int64_t n_
     pagedllm::configure_full_tiles();
     for (int64_t p = p_begin; p < p_end; ++p) {
       decode(p, panel);
-      amx_panel_rows(x, k_dim, 0, rows, rows, full_rows, rest_tiles, tail.data(), panel, k_dim, nullptr, sums, write, p);
+      amx_panel_rows(tiles, 0, rows, panel, k_dim, nullptr, sums, write, p);
     }
     _tile_release();
   });
