@@ -41,10 +41,12 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(200, 96), (70, 576), (33, 1536), (40, 45)])  # (out, in): AMX needs in % 32 == 0
+# (out, in): AMX needs in % 32 == 0
+@pytest.mark.parametrize("shape", [(200, 96), (70, 576), (33, 1536), (40, 45), (40, 131)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 45, 64, 300])
 def test_panel_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> None:
-    """The panel kernel over every tail: outputs not a multiple of 32, odd inputs, row blocks."""
+    """The panel kernel over every tail: outputs not a multiple of 32, odd inputs (alone and after
+    whole chunks of inputs), row blocks."""
     if not panels_supported(dtype):
         pytest.skip(f"no panel kernel for {dtype} on this CPU")
     torch.manual_seed(rows)
