@@ -5,8 +5,9 @@ them: 4 KB pages handed out while a process churns through temporaries end up sc
 TLB miss each (two-level walks in a VM) and break the hardware prefetchers' runs at every page. A
 mapping of its own, advised for huge pages, gets 2 MB pages where the kernel allows them
 (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise`` or ``always``) and fresh pages
-otherwise. ``PAGEDLLM_HUGE_PAGES=0`` turns it off (callers then keep torch's allocations). The KV
-cache was tried in huge pages too: no difference measured (its blocks are read in 6 KB runs).
+otherwise. ``PAGEDLLM_HUGE_PAGES=0`` turns it off (callers then keep torch's allocations). The CPU
+KV pool lies in them too (worker/cache_engine.py): its blocks are read in runs of a few KB from
+anywhere in the pool, a TLB miss per run in 4 KB pages.
 
 Measured on a 2-core VM: reading 64 MB took 10 ms in 4 KB pages and 4.4 ms in huge pages; after
 2 s untouched, 309 ms and 32 ms (memory a VM leaves idle comes back slowly, and per page).
