@@ -23,6 +23,7 @@ import torch
 from bandwidth import measure_read_bandwidth
 
 from pagedllm.attention.cpu_kernels import paged_decode_attention
+from pagedllm.worker.cache_engine import zeroed_kv_pool
 
 SHAPES = ["64x128", "64x300", "64x500", "8x500", "8x2000"]
 
@@ -33,7 +34,9 @@ def time_shape(batch: int, context: int, dtype: torch.dtype, args: argparse.Name
     block_bytes = 2 * args.block_size * args.kv_heads * args.head_dim * dtype.itemsize
     pool = max(batch * blocks_per_seq, args.pool_mib * 2**20 // block_bytes)
     shape = (pool, args.block_size, args.kv_heads, args.head_dim)
-    k_cache, v_cache = torch.empty(shape, dtype=dtype).normal_(), torch.empty(shape, dtype=dtype).normal_()
+    # Allocated as the engine allocates its pool (in huge pages unless PAGEDLLM_HUGE_PAGES=0).
+    cpu = torch.device("cpu")
+    k_cache, v_cache = (zeroed_kv_pool(shape, dtype, cpu).normal_() for _ in range(2))
     order = torch.randperm(pool)
     calls = max(1, pool // (batch * blocks_per_seq))  # disjoint block sets, used in turn
     tables = [order[i * batch * blocks_per_seq:(i + 1) * batch * blocks_per_seq].view(batch, blocks_per_seq)

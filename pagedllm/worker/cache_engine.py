@@ -77,7 +77,7 @@ def decide_num_gpu_blocks(
     return num_blocks
 
 
-def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The attention pool, zero-filled. On a CPU it lies in huge pages where they are enabled: decode
     attention reads each sequence's blocks scattered through the pool, and in 4 KB pages nearly every
     block costs TLB misses (float32, 19 sequences of 200 tokens, the default model's heads: 425 ->
@@ -109,7 +109,7 @@ class CacheEngine:
         shape = (model_config.num_layers, 2, 0, self.block_size, num_kv_heads, model_config.head_dim)
         gpu_shape = shape[:2] + (num_gpu_blocks,) + shape[3:]
         cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
-        self.gpu_pool = _zeroed_pool(gpu_shape, dtype, device)
+        self.gpu_pool = zeroed_kv_pool(gpu_shape, dtype, device)
         pin = device.type == "cuda"
         self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
         self.kv_caches = [(self.gpu_pool[layer, 0], self.gpu_pool[layer, 1]) for layer in range(shape[0])]
