@@ -65,25 +65,33 @@ constexpr int64_t kWholeBlockBytes = 1024 * 1024;
 // names memory the kernel never reads: a prefetch is a hint and cannot fault).
 constexpr int64_t kPrefetchRows = 32;
 
-// A second prefetch, into L2 and kL2PrefetchRows panel rows (32 KB) ahead, keeps more of the
-// weight stream in flight than the near one alone can (each core has few L1 fill buffers): on a
-// 2-core AMX machine, the default model's float32 layers took 18 ms instead of 22-23 at 8 rows
-// and 20 instead of 23 at 12, the same at 1 and at 16-24 rows.
+// In products of up to kWholeRows rows (decode batches), which wait on the weights' stream, a
+// second prefetch, into L2 and kL2PrefetchRows panel rows (32 KB) ahead, keeps more of the stream
+// in flight than the near one alone can (each core has few L1 fill buffers): on a 2-core AMX
+// machine, the default model's float32 layers took 18 ms instead of 22-23 at 8 rows and 20
+// instead of 23 at 12, the same at 1 and at 16-24 rows. Prompts, bound by arithmetic, go without
+// it and without the chunks below: with both, 480 rows took 5-10% longer.
 constexpr int64_t kL2PrefetchRows = 256;
 
-// Both prefetches ahead of w, in a panel of rows of row_bytes (128: 32 float32 or 32 bfloat16 pairs).
+// The prefetches ahead of w, in a panel of rows of row_bytes (128: 32 float32 or 32 bfloat16 pairs);
+// the L2 one only where FAR.
+template <bool FAR>
 inline void prefetch_panel(const void* w, int64_t row_bytes) {
   const char* p = static_cast<const char*>(w);
   _mm_prefetch(p + kPrefetchRows * row_bytes, _MM_HINT_T0);
   _mm_prefetch(p + kPrefetchRows * row_bytes + 64, _MM_HINT_T0);
-  _mm_prefetch(p + kL2PrefetchRows * row_bytes, _MM_HINT_T1);
-  _mm_prefetch(p + kL2PrefetchRows * row_bytes + 64, _MM_HINT_T1);
+  if constexpr (FAR) {
+    _mm_prefetch(p + kL2PrefetchRows * row_bytes, _MM_HINT_T1);
+    _mm_prefetch(p + kL2PrefetchRows * row_bytes + 64, _MM_HINT_T1);
+  }
 }
 
-// Up to kGroupRows rows (several register tiles) take a panel kChunkInputs inputs at a time, each
-// tile's sums carried from chunk to chunk in a buffer: every tile then reads a chunk the first
-// tile has just brought into L1, while the prefetches run on ahead. Taking the whole panel tile
-// by tile, the first tile waited on memory while the others multiplied with memory idle.
+// In a decode-sized product, up to kGroupRows rows (several register tiles) take a panel
+// kChunkInputs inputs at a time, each tile's sums carried from chunk to chunk in a buffer: every
+// tile then reads a chunk the first tile has just brought into L1, while the prefetches run on
+// ahead. Taking the whole panel tile by tile, the first tile waited on memory while the others
+// multiplied with memory idle (19 rows: 26.5 -> 23.3 ms for the default model's float32 layers
+// with the L2 prefetch above).
 constexpr int64_t kGroupRows = 6 * kTile;
 constexpr int64_t kChunkInputs = 64;  // even: a chunk holds whole bfloat16 input pairs
 
@@ -116,14 +124,14 @@ inline void load_sums(__m512 (&acc)[ROWS][2], const float* __restrict__ out, boo
 
 // Rows [0, ROWS) of x against inputs [k_begin, k_end) of one float32 panel: the 32 sums of each
 // row into out[ROWS][32], added to the sums already there when `resume`.
-template <int ROWS>
+template <int ROWS, bool FAR>
 inline void tile_f32(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel, int64_t k_begin,
                      int64_t k_end, bool resume, float* __restrict__ out) {
   __m512 acc[ROWS][2];
   load_sums<ROWS>(acc, out, resume);
   const float* w = panel + k_begin * kPanel;
   for (int64_t k = k_begin; k < k_end; ++k, w += kPanel) {
-    prefetch_panel(w, kPanel * sizeof(float));
+    prefetch_panel<FAR>(w, kPanel * sizeof(float));
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     for (int m = 0; m < ROWS; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
@@ -137,14 +145,14 @@ inline void tile_f32(const float* __restrict__ x, int64_t ldx, const float* __re
 #if defined(__AVX512BF16__)
 // The same over a bfloat16 panel: one vdpbf16ps multiplies a pair of inputs into each output.
 // k_begin is even; an odd k_end is the last input, alone.
-template <int ROWS>
+template <int ROWS, bool FAR>
 inline void tile_bf16(const uint16_t* __restrict__ x, int64_t ldx, const uint16_t* __restrict__ panel,
                       int64_t k_begin, int64_t k_end, bool resume, float* __restrict__ out) {
   __m512 acc[ROWS][2];
   load_sums<ROWS>(acc, out, resume);
   const uint16_t* w = panel + k_begin * kPanel;
   for (int64_t kp = k_begin / 2; kp < k_end / 2; ++kp, w += 2 * kPanel) {
-    prefetch_panel(w, 2 * kPanel * sizeof(uint16_t));
+    prefetch_panel<FAR>(w, 2 * kPanel * sizeof(uint16_t));
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     for (int m = 0; m < ROWS; ++m) {
       int32_t both;
@@ -172,10 +180,10 @@ template <>
 struct Panel<float> {
   using raw = float;
   static int64_t stride(int64_t k_dim) { return k_dim * kPanel; }
-  template <int ROWS>
+  template <int ROWS, bool FAR>
   static void tile(const raw* x, int64_t ldx, const raw* panel, int64_t k_begin, int64_t k_end, bool resume,
                    float* out) {
-    tile_f32<ROWS>(x, ldx, panel, k_begin, k_end, resume, out);
+    tile_f32<ROWS, FAR>(x, ldx, panel, k_begin, k_end, resume, out);
   }
   static void store(const float* sums, const float* bias, raw* y, __mmask16 mask0, __mmask16 mask1) {
     __m512 s0 = _mm512_loadu_ps(sums), s1 = _mm512_loadu_ps(sums + 16);
@@ -211,10 +219,10 @@ template <>
 struct Panel<at::BFloat16> {
   using raw = uint16_t;
   static int64_t stride(int64_t k_dim) { return (k_dim + 1) / 2 * 2 * kPanel; }
-  template <int ROWS>
+  template <int ROWS, bool FAR>
   static void tile(const raw* x, int64_t ldx, const raw* panel, int64_t k_begin, int64_t k_end, bool resume,
                    float* out) {
-    tile_bf16<ROWS>(x, ldx, panel, k_begin, k_end, resume, out);
+    tile_bf16<ROWS, FAR>(x, ldx, panel, k_begin, k_end, resume, out);
   }
   static void store(const float* sums, const uint16_t* bias, raw* y, __mmask16 mask0, __mmask16 mask1) {
     __m512 s0 = _mm512_loadu_ps(sums), s1 = _mm512_loadu_ps(sums + 16);
@@ -262,22 +270,22 @@ struct Epilogue {
   }
 };
 
-template <typename T>
+template <typename T, bool FAR>
 void tile_rows(int rows, const typename Panel<T>::raw* x, int64_t ldx, const typename Panel<T>::raw* panel,
                int64_t k_begin, int64_t k_end, bool resume, float* out) {
   switch (rows) {
-    case 1: Panel<T>::template tile<1>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 2: Panel<T>::template tile<2>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 3: Panel<T>::template tile<3>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 4: Panel<T>::template tile<4>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 5: Panel<T>::template tile<5>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 6: Panel<T>::template tile<6>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 7: Panel<T>::template tile<7>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 8: Panel<T>::template tile<8>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 9: Panel<T>::template tile<9>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 10: Panel<T>::template tile<10>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    case 11: Panel<T>::template tile<11>(x, ldx, panel, k_begin, k_end, resume, out); break;
-    default: Panel<T>::template tile<12>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 1: Panel<T>::template tile<1, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 2: Panel<T>::template tile<2, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 3: Panel<T>::template tile<3, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 4: Panel<T>::template tile<4, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 5: Panel<T>::template tile<5, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 6: Panel<T>::template tile<6, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 7: Panel<T>::template tile<7, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 8: Panel<T>::template tile<8, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 9: Panel<T>::template tile<9, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 10: Panel<T>::template tile<10, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    case 11: Panel<T>::template tile<11, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
+    default: Panel<T>::template tile<12, FAR>(x, ldx, panel, k_begin, k_end, resume, out); break;
   }
 }
 
@@ -427,6 +435,7 @@ void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const type
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<T>::stride(k_dim);
   const int64_t row_block = row_block_rows(k_dim * sizeof(typename Panel<T>::raw), kTile);
+  const bool decode_sized = rows <= kWholeRows;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     alignas(64) float sums[kGroupRows * kPanel];
     for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
@@ -435,12 +444,18 @@ void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const type
         const auto* panel = packed + p * panel_stride;
         for (int64_t g0 = m0; g0 < m1; g0 += kGroupRows) {
           const int64_t g1 = std::min(m1, g0 + kGroupRows);
-          const int64_t k_step = g1 - g0 > kTile ? kChunkInputs : k_dim;
+          const int64_t k_step = decode_sized && g1 - g0 > kTile ? kChunkInputs : k_dim;
           for (int64_t k0 = 0; k0 < k_dim; k0 += k_step) {
             const int64_t k1 = std::min(k_dim, k0 + k_step);
             for (int64_t m = g0; m < g1; m += kTile) {
               const int tile = static_cast<int>(std::min<int64_t>(kTile, g1 - m));
-              tile_rows<T>(tile, x + m * ldx, ldx, panel, k0, k1, k0 > 0, sums + (m - g0) * kPanel);
+              const auto* xm = x + m * ldx;
+              float* out = sums + (m - g0) * kPanel;
+              if (decode_sized) {
+                tile_rows<T, true>(tile, xm, ldx, panel, k0, k1, k0 > 0, out);
+              } else {
+                tile_rows<T, false>(tile, xm, ldx, panel, k0, k1, k0 > 0, out);
+              }
             }
           }
           for (int64_t r = g0; r < g1; ++r) write(sums + (r - g0) * kPanel, r, p);
