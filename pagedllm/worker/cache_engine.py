@@ -80,8 +80,8 @@ def decide_num_gpu_blocks(
 def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The attention pool, zero-filled. On a CPU it lies in huge pages where they are enabled: decode
     attention reads each sequence's blocks scattered through the pool, and in 4 KB pages nearly every
-    block costs TLB misses (float32, 19 sequences of 200 tokens, the default model's heads: 425 ->
-    345 us a layer on a 2-core AMX VM; benchmarks/decode_attention.py)."""
+    block costs TLB misses (float32, 19 sequences of 200 tokens, the default model's heads: 421 ->
+    371 us a layer on a 2-core AMX VM; benchmarks/decode_attention.py)."""
     if device.type != "cpu" or not huge_pages_enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
