@@ -14,8 +14,8 @@ From ``AMX_MIN_ROWS`` rows of activations on (a prompt, a large decode batch), o
 the kernel decodes each 16-row panel of the tiling to bfloat16 once per call and multiplies it with
 the activations rounded to bfloat16 on AMX tiles instead: with that many rows per weight the
 product is bound by arithmetic, and AMX's tiles do it several times faster than integer dot
-products do. bfloat16 keeps 8 bits of
-every activation where int8 blocks keep 7 of the block's largest, so this is no less exact.
+products do. bfloat16 keeps 8 bits of every activation where int8 blocks keep 7 of the block's
+largest, so this is no less exact.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def zeroed_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     371 us a layer on a 2-core AMX VM; benchmarks/decode_attention.py)."""
     if device.type != "cpu" or not huge_pages_enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     # Touched now, as torch.zeros touches its pages: a huge page's first touch zeroes 2 MB (and may
     # compact memory to find them), which inside the steps that first write a block cost prefill
     # steps ~20% on a 2-core VM.
