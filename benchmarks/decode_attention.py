@@ -22,7 +22,7 @@ import time
 import torch
 from bandwidth import measure_read_bandwidth
 
-from pagedllm.attention.cpu_kernels import paged_decode_attention
+from pagedllm.kernels.attention import paged_decode_attention
 from pagedllm.worker.cache_engine import zeroed_kv_pool
 
 SHAPES = ["64x128", "64x300", "64x500", "8x500", "8x2000"]

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_blocks import random_packed  # noqa: E402
 from paper_fig18a_kernel import bench as median_seconds  # noqa: E402
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels  # noqa: E402
+from pagedllm.kernels import cpu_kernels  # noqa: E402
 from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS  # noqa: E402
 
 # name, output rows, inputs, GGUF type: a Llama-3.2-1B layer's projections and its Q6_K LM head.
@@ -37,7 +37,7 @@ def main() -> None:
     from gguf.constants import GGMLQuantizationType
 
     torch.set_num_threads(args.threads)
-    kernels = load_cpu_kernels()
+    kernels = cpu_kernels()
     print(f"int8 dot product: {kernels.int8_dot_isa()}, {args.threads} threads")
     rng = np.random.default_rng(0)
     print(f"{'shape':>8} {'type':>5} {'M':>4} | {'float ms':>8} {'GB/s':>5} | "

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import SDPA_CPU_BLOCK, gather_from_cache
-from pagedllm.attention.cpu_kernels import prompt_attention_amx, prompt_attention_amx_supported
+from pagedllm.kernels.attention import prompt_attention_amx, prompt_attention_amx_supported
 
 SHAPES = [(0, 64), (0, 128), (0, 256), (0, 448), (0, 1024), (0, 2048), (256, 256), (768, 256), (1750, 250)]
 

@@ -63,7 +63,7 @@ def sampler_seconds(manager, num_rows: int, vocab_size: int, repeats: int = 50) 
     the unconstrained greedy choice it replaces."""
     import torch
 
-    from pagedllm.attention.cpu_kernels import greedy_pick
+    from pagedllm.kernels.attention import greedy_pick
     from pagedllm.structured.bitmask import apply_token_bitmask, greedy_pick_masked
 
     matchers = [manager.new_matcher(StructuredOutputsParams(json=SCHEMA)) for _ in range(num_rows)]

@@ -16,15 +16,16 @@ Measured on a 2-core VM: reading 64 MB took 10 ms in 4 KB pages and 4.4 ms in hu
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
+
+from pagedllm.kernels.config import kernel_config
 
 HUGE_PAGE = 2 << 20
 
 
 def huge_pages_enabled() -> bool:
-    return os.environ.get("PAGEDLLM_HUGE_PAGES", "1") != "0"
+    return kernel_config().huge_pages
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:

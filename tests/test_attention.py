@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx, prompt_attention_amx_supported
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.attention import prompt_attention_amx, prompt_attention_amx_supported
 
 AMX_HERE = prompt_attention_amx_supported(
     torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
@@ -248,14 +249,14 @@ def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):
 
 def test_cpu_kernel_builds_here():
     # The fused kernel is the CPU fast path; on this machine it must build, not silently fall back.
-    assert load_cpu_kernels() is not None
+    assert cpu_kernels() is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_kernel_matches_index_copy(dtype):
     """The one-call CPU scatter of keys and values: index_copy_'s result, from rows of a fused qkv
     output (strided tokens), from non-contiguous heads, and a clear error for a slot past the cache."""
-    if load_cpu_kernels() is None:
+    if cpu_kernels() is None:
         pytest.skip("CPU kernels not built here")
     from pagedllm.attention import write_to_cache
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import (
     GatedPanelWeight,
@@ -94,7 +94,7 @@ def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: 
     gated, plain = GatedPanelWeight(weight, b), PanelWeight(weight)
     unfused = plain.linear(x, b)
     assert torch.equal(gated.linear(x, b), unfused)  # the plain product, in the weight's own row order
-    assert torch.equal(gated.silu_and_mul(x), load_cpu_kernels().silu_and_mul(unfused))
+    assert torch.equal(gated.silu_and_mul(x), cpu_kernels().silu_and_mul(unfused))
 
 
 def test_gemm_path_choice(monkeypatch) -> None:

@@ -14,7 +14,7 @@ from conftest import assert_no_leaks
 from test_quantized import GGUF_TYPES, _gguf, _greedy, _packed, _prompts, _vocab, gguf_dir, tokenizer_dir  # noqa: F401
 
 from pagedllm import LLM
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels
 from pagedllm.quantization.apply import packed_weight_bytes
 from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS, Int8TiledTensor, int8_tiling_reason, tile_for_int8
 from pagedllm.quantization.quantize import quantize_int4_groups, quantize_int8_per_channel
@@ -45,7 +45,7 @@ def _weights() -> list[tuple[str, object]]:
 def test_int8_kernel_equals_its_arithmetic(name, packed):
     tiled = tile_for_int8(packed.data, packed.fmt, 512)
     if tiled is None:
-        assert not load_cpu_kernels().int8_tiling_supported(packed.fmt.id)
+        assert not cpu_kernels().int8_tiling_supported(packed.fmt.id)
         pytest.skip(f"{name} is not tiled on this CPU")
     assert isinstance(tiled, Int8TiledTensor) and tiled.shape == (37, 512)
     # Legacy formats keep their fp16 scales exactly; K-quant scales d * sc are rounded to fp16 once.
@@ -69,7 +69,7 @@ def test_int8_kernel_equals_its_arithmetic(name, packed):
         got = tiled.linear(x, bias)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     # A prompt's rows on AMX: the product of the weight and activations rounded to bfloat16.
-    amx = load_cpu_kernels().decoded_gemm_supported(512)
+    amx = cpu_kernels().decoded_gemm_supported(512)
     for rows in (AMX_MIN_ROWS, 3 * AMX_MIN_ROWS // 2 + 5):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         bias = torch.randn(37)

@@ -9,7 +9,8 @@ from gguf_models import write_tiny_llama_gguf
 from test_models import TINY, PagedBatch, make_caches
 
 from pagedllm.attention.backend import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL
-from pagedllm.attention.cpu_kernels import load_cpu_kernels, prompt_attention_amx_supported
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.attention import prompt_attention_amx_supported
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import panels_supported
 from pagedllm.models.layer_stack import FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS, LayerStack
@@ -17,7 +18,7 @@ from pagedllm.quantization.int8_tiles import int8_tiling_reason
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the CPU kernels")
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the CPU kernels")
 
 
 def _build(tmp_path, config, dtype: str):
@@ -164,7 +165,7 @@ def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
     path = write_tiny_llama_gguf(str(tmp_path / "model.gguf"), "Q4_1", 211)
     model_config = load_model_config(path, dtype="float32")
     model_config.int8_activations = True
-    if not load_cpu_kernels().decoded_gemm_supported(model_config.hf_config.hidden_size):
+    if not cpu_kernels().decoded_gemm_supported(model_config.hf_config.hidden_size):
         pytest.skip("no AMX here")
     model = build_model(model_config, "cpu")
     on_dot_products = _step_logits(model, model_config)

@@ -12,7 +12,7 @@ from conftest import assert_no_leaks, train_tokenizer
 from gguf_models import Q4_K_M, random_kquant, write_tiny_llama_gguf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels
 from pagedllm.models.cpu_gemm import PackableLinear
 from pagedllm.models.loader import build_model, load_model_config
 from pagedllm.quantization import formats
@@ -49,8 +49,8 @@ def test_dequantize_equals_gguf_py(type_name):
     packed = _packed(type_name, 24, 512)
     expected = torch.from_numpy(dequantize(packed.data.numpy(), GGMLQuantizationType[type_name]).astype(np.float32))
     torch.testing.assert_close(formats.dequantize(packed.data, packed.fmt, 512), expected, rtol=0, atol=0)
-    if load_cpu_kernels() is not None:
-        cpp = load_cpu_kernels().dequantize_rows(packed.data, packed.fmt.id, 512, None)
+    if cpu_kernels() is not None:
+        cpp = cpu_kernels().dequantize_rows(packed.data, packed.fmt.id, 512, None)
         torch.testing.assert_close(cpp, expected, rtol=1e-6, atol=1e-7)  # an FMA may round once less
 
 

@@ -383,9 +383,10 @@ def test_top_k_top_p_candidate_path_equals_full_sort(ks: list[int], ps: list[flo
 
 def test_greedy_kernel_matches_torch() -> None:
     """The fused CPU greedy choice: torch.argmax's ids (first of ties) and log_softmax's values."""
-    from pagedllm.attention.cpu_kernels import greedy_pick, load_cpu_kernels
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.kernels.attention import greedy_pick
 
-    if load_cpu_kernels() is None:
+    if cpu_kernels() is None:
         pytest.skip("CPU kernels not built here")
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 5001, generator=gen) * 4
@@ -402,9 +403,10 @@ def test_greedy_kernel_matches_torch() -> None:
 
 def test_greedy_kernel_reads_bfloat16_logits() -> None:
     """bfloat16 logits, read as they are: the ids and logprobs of the same values widened to float32."""
-    from pagedllm.attention.cpu_kernels import greedy_pick, load_cpu_kernels
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.kernels.attention import greedy_pick
 
-    if load_cpu_kernels() is None:
+    if cpu_kernels() is None:
         pytest.skip("CPU kernels not built here")
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 3001, generator=gen) * 4).bfloat16()

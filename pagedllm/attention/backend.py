@@ -11,7 +11,7 @@ context already cached); each query token attends causally to every earlier toke
 sequence and to itself. The step's keys and values are written into the cache first, so a
 chunk reads its own tokens and its earlier context alike, through the block table.
 
-On CPU our C++ kernels (attention/csrc) read each sequence's blocks in place: the decode
+On CPU our C++ kernels (kernels/csrc) read each sequence's blocks in place: the decode
 kernel for all-decode steps, the chunked kernel for mixed ones, except prompt chunks its vector
 loops serve slowly: prompts with nothing cached and chunks of ``SDPA_MIN_CHUNK`` tokens or more
 after a cached context. Those go, in bfloat16 on a CPU with AMX, to the tile kernel (blocks read
@@ -36,13 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import (
-    load_cpu_kernels,
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.attention import (
     paged_chunked_attention,
     paged_decode_attention,
     prompt_attention_amx,
     prompt_attention_amx_supported,
 )
+
+# The kernels a CPU attention plan (PagedAttention.cpu_plan) gives a part of a batch.
+from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL
 
 # On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
 # SDPA over their gathered context rather than our chunked kernel (which stays for decodes and
@@ -62,9 +65,6 @@ SDPA_CPU_BLOCK = 32
 # 1,750 cached 5.3 vs 8.1 with its context gathered, 2,048 tokens 20.4 vs 21.8: nearly level).
 AMX_MAX_CHUNK_PAIRS = 2048 * 2048
 
-# The kernels a CPU attention plan (PagedAttention.cpu_plan) gives a part of a batch; the C++
-# decoder loop (attention/csrc/layer_stack_cpu.cpp) uses the same numbers.
-DECODE_KERNEL, CHUNKED_KERNEL, AMX_KERNEL = 0, 1, 2
 
 
 def _sdpa_padding(q: torch.Tensor, length: int) -> int:
@@ -163,7 +163,7 @@ def write_to_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter this step's keys/values ([T, Hkv, D]) into their slots."""
-    if key.device.type == "cpu" and (kernels := load_cpu_kernels()) is not None:
+    if key.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]

@@ -6,15 +6,16 @@ poor blockings for the shapes serving has (few rows, many output features): meas
 and 1.8 ms through oneDNN with a pre-reordered weight; the LM head (64 x 576 -> 49152) 90 ms vs
 34 ms. Two packed paths replace it:
 
-- ``panels``: our kernel (attention/csrc/dense_gemm_cpu.cpp), weights in 32-column panels, AMX
+- ``panels``: our kernel (kernels/csrc/dense_gemm_cpu.cpp), weights in 32-column panels, AMX
   tiles for bfloat16 where the CPU has them. At decode row counts the work is streaming each
   weight once per step; this kernel reads it at close to the machine's bandwidth where oneDNN
   reaches about two thirds of it (benchmarks/dense_gemm.py).
 - ``onednn``: the path torch.compile's CPU backend takes for frozen weights
   (``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``), without compiling.
 
-``PAGEDLLM_CPU_GEMM`` picks one: ``auto`` (default: panels for float32 on AVX-512 CPUs and for
-bfloat16 on AMX CPUs, oneDNN otherwise), ``panels``, ``onednn``, or ``torch`` (F.linear).
+``kernel_config().gemm`` (``PAGEDLLM_CPU_GEMM``) picks one: ``auto`` (default: panels for float32
+at the AVX-512 levels and for bfloat16 at the AMX level, oneDNN otherwise), ``panels``, ``onednn``,
+or ``torch`` (F.linear).
 
 ``pack_linears(model)`` runs after the weights are loaded. Each ``PackableLinear`` (and the LM
 head, through ``lm_head_matmul``) then keeps only the packed copy of its weight: the plain
@@ -27,13 +28,12 @@ where the CPU multiplies it natively; elsewhere F.linear stays.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels, isa_at_least, kernel_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class PanelWeight:
     """A weight packed in column panels for our CPU kernel."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self._kernels = load_cpu_kernels()
+        self._kernels = cpu_kernels()
         self.out_features, self.in_features = weight.shape
         self.data = self._kernels.dense_pack_weight(weight.detach().contiguous())
 
@@ -116,19 +116,14 @@ def dense(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch
     return F.linear(x, weight, bias)
 
 
-GEMM_CHOICES = ("auto", "panels", "onednn", "torch")
-
-
 def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
     """"panels", "onednn", or None (F.linear) for weights of this dtype on this device."""
-    choice = os.environ.get("PAGEDLLM_CPU_GEMM", "auto")
-    if choice not in GEMM_CHOICES:
-        raise ValueError(f"PAGEDLLM_CPU_GEMM={choice!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    choice = kernel_config().gemm
     if device.type != "cpu" or choice == "torch" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if choice in ("auto", "panels") and panels_supported(dtype):
         # bfloat16 without AMX multiplies through vdpbf16ps, slower than oneDNN past a few rows
-        if choice == "panels" or dtype == torch.float32 or torch.cpu._is_amx_tile_supported():
+        if choice == "panels" or dtype == torch.float32 or isa_at_least("amx"):
             return "panels"
     return "onednn" if onednn_supported(dtype) else None
 
@@ -139,7 +134,7 @@ def cpu_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 def panels_supported(dtype: torch.dtype) -> bool:
     """Whether our panel kernel multiplies this dtype on this CPU."""
-    kernels = load_cpu_kernels()
+    kernels = cpu_kernels()
     return kernels is not None and kernels.dense_gemm_supported(torch.empty(0, dtype=dtype))
 
 
@@ -151,13 +146,12 @@ def onednn_supported(dtype: torch.dtype) -> bool:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Native bfloat16 matmul instructions (AVX-512 BF16 or AMX); elsewhere bf16 is emulated and slow.
+    """Native bfloat16 matmul instructions (AVX-512 BF16 or AMX) at the kernels' level; elsewhere
+    bf16 is emulated and slow.
 
-    ``PAGEDLLM_CPU_BF16=0`` answers no on any CPU, so that ``dtype="auto"`` keeps float32 (the
-    test suite does this: its oracle is transformers in float32)."""
-    if os.environ.get("PAGEDLLM_CPU_BF16", "1") == "0":
-        return False
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    ``cpu_bf16=False`` (``PAGEDLLM_CPU_BF16=0``) answers no on any CPU, so that ``dtype="auto"``
+    keeps float32 (the test suite does this: its oracle is transformers in float32)."""
+    return kernel_config().cpu_bf16 and isa_at_least("avx512_bf16")
 
 
 def pack_weight(weight: torch.Tensor, path: str) -> PackedWeight:

@@ -1,5 +1,5 @@
 """The decoder's fused elementwise chains (RMSNorm with or without the residual add, act(gate) *
-up, rotary embedding) through the C++ CPU kernels of pagedllm/attention/csrc/fused_ops_cpu.cpp.
+up, rotary embedding) through the C++ CPU kernels of pagedllm/kernels/csrc/fused_ops_cpu.cpp.
 
 Each function returns None (or False) when the kernel cannot serve the call: not a CPU tensor,
 a dtype other than float32 / bfloat16, autograd recording, or no compiled kernels. The callers
@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # The kernel computing act(gate) * up for each activation name.
@@ -37,7 +37,7 @@ def _kernels(*tensors: torch.Tensor) -> ModuleType | None:
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != dtype or (grad and t.requires_grad):
             return None
-    return load_cpu_kernels()
+    return cpu_kernels()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor | None:

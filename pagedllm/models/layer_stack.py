@@ -1,5 +1,5 @@
 """A step of a Llama-style decoder through one C++ call over all its layers (``run_layer_stack``
-in attention/csrc/layer_stack_cpu.cpp) instead of the per-layer Python.
+in kernels/csrc/layer_stack_cpu.cpp) instead of the per-layer Python.
 
 A decode step's kernels are short (a few rows), so the Python around them weighs: on the
 default model (30 layers) ~25 Python-level operations per layer cost 4-5 ms of a 37 ms bfloat16
@@ -16,18 +16,18 @@ rows (int8 tiles, packed blocks, float segments, mixed within a layer as GGUF fi
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backend import DECODE_KERNEL
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels, kernel_config
+from pagedllm.kernels.codes import ACTIVATION_CODES, FLOAT_ROWS, GATED_PANEL, INT8_TILED, PANEL, QUANT_BLOCKS
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.models.layers import RMSNorm
-from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS, Int8TiledTensor
+from pagedllm.quantization.int8_tiles import Int8TiledTensor
 from pagedllm.quantization.kernels import SMALL_M, cpu_kernels_serve
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
@@ -38,10 +38,6 @@ _EMPTY = torch.empty(0)
 # A step's attention plan for run_layer_stack: per part its kernel, its rows' [begin, end) flattened,
 # and its block_tables, query_start_loc and context_lens flattened.
 Plan = tuple[list[int], list[int], list[torch.Tensor]]
-# How run_layer_stack multiplies one row segment of a weight (LinearKind in layer_stack_cpu.cpp).
-PANEL, GATED_PANEL, INT8_TILED, QUANT_BLOCKS, FLOAT_ROWS = range(5)
-# Its code for the kernel applying act(gate) * up after an ungated gate/up product.
-_ACTIVATION_CODES = {"silu_and_mul": 0, "gelu_and_mul": 1, "gelu_tanh_and_mul": 2}
 # A segment as the loop takes it: kind, format id, rows, weight data, bias (empty: none).
 Segment = tuple[int, int, int, torch.Tensor, torch.Tensor]
 
@@ -58,7 +54,7 @@ class LayerStack:
         self.eps = first.input_layernorm.eps
         self.intermediate_size = first.mlp.down_proj.in_features
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
-        self.activation = _ACTIVATION_CODES[ACT_AND_MUL_KERNELS[first.mlp.act_and_mul.activation]]
+        self.activation = ACTIVATION_CODES[ACT_AND_MUL_KERNELS[first.mlp.act_and_mul.activation]]
         # The first layer's attention plans every layer's step: the plan depends only on the window.
         self.planner = attn.attn if len(set(self.windows)) == 1 else None
         self.layer_tensors: list[list[torch.Tensor]] = []
@@ -117,7 +113,7 @@ class LayerStack:
         return self._module.run_layer_stack(
             hidden, tensors, self.linear_specs, self.linear_tensors, self.windows, cos.squeeze(1), sin.squeeze(1),
             meta.slot_mapping, kernels, rows, part_tensors, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, self.activation, SMALL_M, AMX_MIN_ROWS, self.eps, self.scale,
+            self.intermediate_size, self.activation, SMALL_M, kernel_config().int8_amx_min_rows, self.eps, self.scale,
         )
 
 
@@ -127,11 +123,11 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor:
 
 def build_layer_stack(model: DecoderModel) -> LayerStack | None:
     """A LayerStack when the C++ loop reproduces these layers exactly, else None."""
-    if os.environ.get("PAGEDLLM_LAYER_STACK", "1") == "0" or not model.layers:
+    if not kernel_config().layer_stack or not model.layers:
         return None
     if len(model.rotary) != 1 or model.rope_needs_lengths:
         return None
-    module = load_cpu_kernels()
+    module = cpu_kernels()
     if module is None or not hasattr(module, "run_layer_stack"):
         return None
     # One set of shapes and norms for every layer: the loop takes them once.

@@ -4,7 +4,7 @@ A packed weight is a uint8 tensor ``[out_features, row_bytes]``: each output row
 after another along the input dimension, exactly as GGUF stores them, so a GGUF tensor is used
 as it lies in the file and a row (or a block-aligned column range) of it is again a packed
 weight. The ids are ggml's type numbers for the GGUF types; the C++ kernels
-(``attention/csrc/quant_linear_cpu.cpp``) use the same ids.
+(``kernels/csrc/quant_linear_cpu.cpp``) use the same ids.
 
 ``dequantize`` here is the torch reference (and the fallback on CUDA and without the C++
 kernels): the same float values gguf-py's numpy dequantizer gives.

@@ -3,14 +3,16 @@
 With ``int8_activations`` a linear layer quantizes its input to int8 per block of 32 (one float
 scale per block, round to nearest), and multiplies it with the weight's own integer quants in
 integer dot-product instructions, as llama.cpp does; the weight is re-tiled once at load time
-into panels of 16 output rows (``attention/csrc/quant_int8_cpu.cpp`` documents the layout) at the
+into panels of 16 output rows (``kernels/csrc/quant_int8_cpu.cpp`` documents the layout) at the
 same bits per weight as its format, replacing the packed rows (no second copy). This is several
 times fewer instructions per weight than decoding to float, and the batch of a step shares every
 unpacked weight. Quantizing activations changes results slightly: the greedy output is no longer
 token-for-token the dequantized model's (``benchmarks/int8_activations.py`` measures perplexity
 and greedy agreement); ``int8_activations=False`` keeps the exact float-activation kernels.
 
-From ``AMX_MIN_ROWS`` rows of activations on (a prompt, a large decode batch), on a CPU with AMX,
+From ``kernel_config().int8_amx_min_rows`` rows of activations on (``PAGEDLLM_INT8_AMX_MIN_ROWS``,
+default 32; on a 2-core AMX machine the tiles led the dot products from 16-32 rows on for the
+default model's shapes, and by 2-3x from 64) (a prompt, a large decode batch), on a CPU with AMX,
 the kernel decodes each 16-row panel of the tiling to bfloat16 once per call and multiplies it with
 the activations rounded to bfloat16 on AMX tiles instead: with that many rows per weight the
 product is bound by arithmetic, and AMX's tiles do it several times faster than integer dot
@@ -20,26 +22,12 @@ largest, so this is no less exact.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels, kernel_config
 from pagedllm.quantization.formats import Format
-
-
-def _amx_min_rows() -> int:
-    value = os.environ.get("PAGEDLLM_INT8_AMX_MIN_ROWS", "32")
-    if not value.isdigit():
-        raise ValueError(f"PAGEDLLM_INT8_AMX_MIN_ROWS must be a number of rows (0: never), got {value!r}.")
-    return int(value)
-
-
-# Activation rows from which a product runs on AMX over bfloat16-decoded panels (0: never;
-# PAGEDLLM_INT8_AMX_MIN_ROWS sets it, for comparisons). On a 2-core AMX machine the tiles led the
-# dot products from 16-32 rows on for the default model's shapes, and by 2-3x from 64.
-AMX_MIN_ROWS = _amx_min_rows()
 
 
 @dataclass(slots=True)
@@ -61,13 +49,14 @@ class Int8TiledTensor:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
-        y = load_cpu_kernels().int8_linear(x32, self.data, self.fmt.id, self.rows, self.in_features, bias, AMX_MIN_ROWS)
+        y = cpu_kernels().int8_linear(x32, self.data, self.fmt.id, self.rows, self.in_features, bias,
+                                         kernel_config().int8_amx_min_rows)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` (an embedding lookup)."""
         flat = ids.reshape(-1)
-        out = load_cpu_kernels().int8_tiled_rows(self.data, self.fmt.id, self.rows, self.in_features, flat)
+        out = cpu_kernels().int8_tiled_rows(self.data, self.fmt.id, self.rows, self.in_features, flat)
         return out.view(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -78,7 +67,7 @@ def int8_tiling_reason(device: torch.device) -> str | None:
     """Why int8 activations cannot run here (None: they can)."""
     if device.type != "cpu":
         return f"int8 activations run on the CPU kernels only (the model is on {device})"
-    module = load_cpu_kernels()
+    module = cpu_kernels()
     if module is None:
         return "int8 activations need the C++ CPU kernels, which are not available here"
     if module.int8_dot_isa() == "portable":
@@ -98,7 +87,7 @@ def resolve_int8_activations(requested: bool | None, device: torch.device) -> bo
 
 def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8TiledTensor | None:
     """The int8 tiling of packed rows, or None where this format / shape cannot be tiled on this CPU."""
-    module = load_cpu_kernels()
+    module = cpu_kernels()
     if in_features % 32 or not module.int8_tiling_supported(fmt.id):
         return None
     return Int8TiledTensor(module.int8_tile_weight(data, fmt.id, in_features), fmt, data.shape[0], in_features)

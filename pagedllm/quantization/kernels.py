@@ -1,23 +1,21 @@
 """Matrix products and row lookups over packed weights: the C++ CPU kernels, or the torch reference.
 
-The C++ path (``attention/csrc/quant_linear_cpu.cpp``) decodes blocks in vector registers and
+The C++ path (``kernels/csrc/quant_linear_cpu.cpp``) decodes blocks in vector registers and
 multiplies in float32; the reference dequantizes with torch ops and calls ``F.linear``. Both give
 the product with the dequantized weight (float32 activations; up to summation order), so greedy
 output equals the dequantized float model's. The reference runs on every device (CUDA included)
 and wherever the C++ kernels are missing, dequantizing a panel of rows at a time so that no
 float copy of a whole large weight exists at once.
 
-``PAGEDLLM_QUANT_KERNEL=torch`` forces the reference (for comparisons).
+``quant_kernel="torch"`` (``PAGEDLLM_QUANT_KERNEL=torch``) forces the reference (for comparisons).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels, kernel_config
 from pagedllm.quantization.formats import Format, dequantize
 
 # Up to this many activation rows the float C++ kernel decodes weight tiles per step in L1; beyond it,
@@ -29,13 +27,13 @@ _REFERENCE_PANEL_ELEMENTS = 1 << 22
 
 def cpu_kernels_serve(device: torch.device, in_features: int) -> bool:
     """Whether the C++ kernels multiply packed rows of ``in_features`` inputs here (else the torch reference)."""
-    if device.type != "cpu" or in_features % 16 or os.environ.get("PAGEDLLM_QUANT_KERNEL", "cpp") == "torch":
+    if device.type != "cpu" or in_features % 16 or kernel_config().quant_kernel == "torch":
         return False
-    return load_cpu_kernels() is not None
+    return cpu_kernels() is not None
 
 
 def _cpu_module(x: torch.Tensor, in_features: int):
-    return load_cpu_kernels() if cpu_kernels_serve(x.device, in_features) else None
+    return cpu_kernels() if cpu_kernels_serve(x.device, in_features) else None
 
 
 def packed_linear(x: torch.Tensor, data: torch.Tensor, fmt: Format, in_features: int,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.attention.cpu_kernels import greedy_pick
+from pagedllm.kernels.attention import greedy_pick
 from pagedllm.sampling.penalties import (
     apply_min_p,
     apply_min_tokens,

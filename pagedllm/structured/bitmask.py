@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels import cpu_kernels
 
 
 def stack_bitmasks(bitmasks: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[int]]:
@@ -54,4 +54,4 @@ def _cpu_kernels_for(logits: torch.Tensor):
     """The compiled CPU kernels when they can serve ``logits`` (contiguous CPU float32), else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
-    return load_cpu_kernels()
+    return cpu_kernels()

@@ -22,9 +22,11 @@
 // with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
 // Scales are stored as fp16: exact for the legacy formats (their scales are fp16), and within
 // fp16 rounding of d * sc for the K-quants.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +35,7 @@
 
 #include "kernels.h"
 #include "quant_formats.h"
+#include "branches.h"
 
 namespace {
 
@@ -545,13 +548,13 @@ bool int8_tiling_supported(int64_t format) {
 }
 
 // A packed weight [N, row_bytes] in `format` -> its int8 tiling [ceil(N / 16), panel_bytes].
-torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k) {
+at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k) {
   check_weight(qweight, format, k);
   TORCH_CHECK(int8_tiling_supported(format), "format ", format, " cannot be tiled for int8 on this CPU");
   TORCH_CHECK(k % kActBlock == 0, "in_features must be a multiple of ", kActBlock);
   const Tiling t = tiling_of(format);
   const int64_t n = qweight.size(0), rb = qweight.size(1), n_panels = (n + kPanel - 1) / kPanel;
-  auto out = torch::empty({n_panels, panel_bytes(t, k)}, torch::dtype(torch::kByte));
+  auto out = at::empty({n_panels, panel_bytes(t, k)}, at::dtype(at::kByte));
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t pb = panel_bytes(t, k);
@@ -562,15 +565,15 @@ torch::Tensor int8_tile_weight(torch::Tensor qweight, int64_t format, int64_t k)
 }
 
 // Rows of a tiled weight as float32 (embedding lookups; tests).
-torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, torch::Tensor rows) {
+at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, at::Tensor rows) {
   const Tiling t = tiling_of(format);
-  TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
+  TORCH_CHECK(tiled.scalar_type() == at::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
                   tiled.size(1) == panel_bytes(t, k),
               "not an int8-tiled weight of ", k, " inputs");
-  auto index = rows.to(torch::kLong).contiguous().view({-1});
+  auto index = rows.to(at::kLong).contiguous().view({-1});
   const int64_t* idx = index.data_ptr<int64_t>();
   const int64_t count = index.numel(), pb = panel_bytes(t, k);
-  auto out = torch::empty({count, k}, torch::dtype(torch::kFloat));
+  auto out = at::empty({count, k}, at::dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
@@ -602,36 +605,38 @@ torch::Tensor int8_tiled_rows(torch::Tensor tiled, int64_t format, int64_t n_row
 // share each weight panel, so the product is bound by arithmetic, which AMX's bfloat16 tiles do
 // several times faster than integer dot products in vector registers; decoding a panel to bfloat16
 // once per call costs little beside it.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
-                          c10::optional<torch::Tensor> bias, int64_t amx_min_rows) {
+at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
+                          c10::optional<at::Tensor> bias, int64_t amx_min_rows) {
   const Tiling t = tiling_of(format);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
-  TORCH_CHECK(tiled.scalar_type() == torch::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
+  TORCH_CHECK(tiled.scalar_type() == at::kByte && tiled.is_contiguous() && tiled.dim() == 2 &&
                   tiled.size(1) == panel_bytes(t, k) && tiled.size(0) == (n_rows + kPanel - 1) / kPanel,
               "not an int8-tiled weight of ", n_rows, " x ", k);
   auto shape = x.sizes().vec();
   shape.back() = n_rows;
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value()) {
-    bias_c = bias->to(torch::kFloat).contiguous();
+    bias_c = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_c.numel() == n_rows, "bias must have ", n_rows, " elements");
   }
 #if defined(__AVX512BF16__)
   if (amx_min_rows > 0 && m >= amx_min_rows && decoded_gemm_supported(k)) {
     auto y = decoded_linear(x2, dense_panel_decoder(t, tiled.data_ptr<uint8_t>(), tiled.size(0), k), n_rows, k,
                             bias.has_value() ? bias_c.data_ptr<float>() : nullptr);
+    pagedllm::count_run(pagedllm::Kernel::kInt8Amx);
     return y.view(shape);
   }
 #endif
-  auto xq = torch::empty({m, k}, torch::dtype(torch::kChar));
-  auto dx = torch::empty({m, k / kActBlock}, torch::dtype(torch::kFloat));
-  auto sums = torch::empty({m, k / t.flush}, torch::dtype(torch::kFloat));
+  pagedllm::count_run(pagedllm::Kernel::kInt8Dot);
+  auto xq = at::empty({m, k}, at::dtype(at::kChar));
+  auto dx = at::empty({m, k / kActBlock}, at::dtype(at::kFloat));
+  auto sums = at::empty({m, k / t.flush}, at::dtype(at::kFloat));
   quantize_activations(x2.data_ptr<float>(), m, k, t.flush, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
                        sums.data_ptr<float>());
   const Activations a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<float>(), k, k / t.flush};
-  auto y = torch::empty({m, n_rows}, x2.options());
+  auto y = at::empty({m, n_rows}, x2.options());
   const float* b = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

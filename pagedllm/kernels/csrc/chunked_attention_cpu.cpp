@@ -17,7 +17,7 @@
 // starts at its first row's first key, so keys before it (blocks the block manager may have
 // released) are never touched. A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c)
 // before the softmax.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "work_order.h"
+#include "branches.h"
 
 namespace {
 
@@ -162,8 +163,8 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
 }
 
 template <typename scalar_t>
-void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<WorkItem>& items,
+void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, at::Tensor& out, const std::vector<WorkItem>& items,
                        float scale, int64_t sliding_window, float soft_cap) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -182,15 +183,15 @@ void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache,
 
 }  // namespace
 
-torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor context_lens, double scale, int64_t sliding_window,
+at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor block_tables, at::Tensor query_start_loc,
+                                      at::Tensor context_lens, double scale, int64_t sliding_window,
                                       double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong &&
-                  query_start_loc.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
               "block_tables, query_start_loc and context_lens must be int64");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
@@ -214,7 +215,8 @@ torch::Tensor paged_chunked_attention(torch::Tensor query, torch::Tensor k_cache
     }
   }
   pagedllm::interleave_by_position(items);  // a tile's cost grows with its position
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
+  pagedllm::count_run(pagedllm::Kernel::kChunkedAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_chunked_attention", [&] {
     dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, out, items, static_cast<float>(scale),
                               sliding_window, static_cast<float>(logits_soft_cap));

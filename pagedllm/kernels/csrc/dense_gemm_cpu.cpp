@@ -24,7 +24,7 @@
 // A gated MLP's gate and up weights can be packed as one, each panel 16 gate rows then the 16 up
 // rows of the same outputs: the epilogue then writes silu(gate) * up directly (rounded as the
 // unfused layers round in bfloat16), and the [rows, 2I] intermediate never reaches memory.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,6 +36,7 @@
 #include "amx_tiles.h"
 #include "kernels.h"
 #include "vec_math.h"
+#include "branches.h"
 
 namespace {
 
@@ -428,9 +429,13 @@ void gemm(const typename Panel<T>::raw* x, int64_t ldx, int64_t rows, const type
           int64_t k_dim, int64_t n_dim, const Epilogue<T>& write) {
 #if defined(__AMX_BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (k_dim % 32 == 0 && amx_ready()) return amx_gemm(x, ldx, rows, packed, k_dim, n_dim, write);
+    if (k_dim % 32 == 0 && amx_ready()) {
+      pagedllm::count_run(pagedllm::Kernel::kDenseGemmBf16Amx);
+      return amx_gemm(x, ldx, rows, packed, k_dim, n_dim, write);
+    }
   }
 #endif
+  pagedllm::count_run(std::is_same_v<T, float> ? pagedllm::Kernel::kDenseGemmF32 : pagedllm::Kernel::kDenseGemmBf16);
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t panel_stride = Panel<T>::stride(k_dim);
   const int64_t row_block = row_block_rows(k_dim * sizeof(typename Panel<T>::raw), kTile);
@@ -478,26 +483,26 @@ bool dtype_supported(at::ScalarType dtype) {
 
 }  // namespace
 
-bool dense_gemm_supported(torch::Tensor weight) { return dtype_supported(weight.scalar_type()); }
+bool dense_gemm_supported(at::Tensor weight) { return dtype_supported(weight.scalar_type()); }
 
-torch::Tensor dense_pack_weight(torch::Tensor weight) {
+at::Tensor dense_pack_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be an [N, K] matrix");
   TORCH_CHECK(dtype_supported(weight.scalar_type()), "no packed GEMM for ", weight.scalar_type(), " on this CPU");
   const int64_t n_dim = weight.size(0), k_dim = weight.size(1);
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   if (weight.scalar_type() == at::kFloat) {
-    auto padded = torch::zeros({panels * kPanel, k_dim}, weight.options());
+    auto padded = at::zeros({panels * kPanel, k_dim}, weight.options());
     padded.narrow(0, 0, n_dim).copy_(weight);
     return padded.view({panels, kPanel, k_dim}).transpose(1, 2).contiguous();  // [P, K, 32]
   }
   const int64_t pairs = (k_dim + 1) / 2;
-  auto padded = torch::zeros({panels * kPanel, pairs * 2}, weight.options());
+  auto padded = at::zeros({panels * kPanel, pairs * 2}, weight.options());
   padded.narrow(0, 0, n_dim).narrow(1, 0, k_dim).copy_(weight);
   // [P, 32, pairs, 2] -> [P, pairs, 32, 2]
   return padded.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n_dim,
+at::Tensor dense_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n_dim,
                            int64_t k_dim, bool silu_and_mul) {
   TORCH_CHECK(dtype_supported(packed.scalar_type()), "no packed GEMM for ", packed.scalar_type(), " on this CPU");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x is ", x.scalar_type(), ", the weight ", packed.scalar_type());
@@ -510,8 +515,8 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   const int64_t rows = x2.size(0);
   const int64_t out_dim = silu_and_mul ? n_dim / 2 : n_dim;
   sizes.back() = out_dim;
-  auto y = torch::empty({rows, out_dim}, x.options());
-  torch::Tensor bias_c;
+  auto y = at::empty({rows, out_dim}, x.options());
+  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     bias_c = bias->to(x.scalar_type()).contiguous();
     TORCH_CHECK(bias_c.numel() == n_dim, "bias has ", bias_c.numel(), " values, the weight ", n_dim, " rows");
@@ -547,7 +552,7 @@ bool decoded_gemm_supported(int64_t k_dim) {
 #endif
 }
 
-torch::Tensor decoded_linear(torch::Tensor x, const PanelDecoder& decode, int64_t n_dim, int64_t k_dim,
+at::Tensor decoded_linear(at::Tensor x, const PanelDecoder& decode, int64_t n_dim, int64_t k_dim,
                              const float* bias) {
   TORCH_CHECK(decoded_gemm_supported(k_dim), "no AMX GEMM over decoded panels of ", k_dim, " inputs on this CPU");
   TORCH_CHECK(x.size(-1) == k_dim, "x has ", x.size(-1), " features, the weight ", k_dim);
@@ -555,7 +560,7 @@ torch::Tensor decoded_linear(torch::Tensor x, const PanelDecoder& decode, int64_
   sizes.back() = n_dim;
   auto x2 = x.reshape({-1, k_dim}).to(at::kBFloat16).contiguous();
   const int64_t rows = x2.size(0);
-  auto y = torch::empty({rows, n_dim}, x.options().dtype(at::kFloat));
+  auto y = at::empty({rows, n_dim}, x.options().dtype(at::kFloat));
 #if defined(__AMX_BF16__)
   if (rows > 0) {
     const Epilogue<float> write{bias, y.data_ptr<float>(), n_dim, n_dim, false};

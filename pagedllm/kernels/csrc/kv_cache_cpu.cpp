@@ -4,7 +4,7 @@
 // (~6 us each here) is larger than the copy itself at decode sizes (a few hundred bytes per token).
 // A token's heads are one contiguous run in the step's tensors (rows of the fused qkv output) and in
 // the cache, so each token is two memcpy calls whatever the dtype.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -12,7 +12,7 @@
 
 namespace {
 
-void check_states(const torch::Tensor& states, const torch::Tensor& cache, const char* name) {
+void check_states(const at::Tensor& states, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(states.device().is_cpu() && cache.device().is_cpu(), name, " and its cache must be CPU tensors");
   TORCH_CHECK(states.dim() == 3, name, " must be [tokens, kv_heads, head_dim], got ", states.sizes());
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name,
@@ -24,20 +24,20 @@ void check_states(const torch::Tensor& states, const torch::Tensor& cache, const
 
 // Rows of the fused qkv output already have each token's heads side by side; anything else is
 // copied into that layout first.
-torch::Tensor heads_contiguous(const torch::Tensor& states) {
+at::Tensor heads_contiguous(const at::Tensor& states) {
   return states.stride(2) == 1 && states.stride(1) == states.size(2) ? states : states.contiguous();
 }
 
 }  // namespace
 
-void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping) {
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+                    at::Tensor slot_mapping) {
   check_states(key, k_cache, "key");
   check_states(value, v_cache, "value");
   key = heads_contiguous(key);
   value = heads_contiguous(value);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "the key and value caches must have one shape");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 vector");
   const int64_t tokens = key.size(0);
   TORCH_CHECK(value.size(0) == tokens && slot_mapping.size(0) == tokens, "key, value and slot_mapping must have ",

@@ -1,13 +1,41 @@
-// The Python module of our CPU kernels (built by pagedllm/attention/cpu_kernels.py).
+// The Python module of our CPU kernels, one build per instruction-set level (pagedllm/kernels/build.py
+// compiles it with -DPAGEDLLM_ISA=<level> and that level's flags).
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
+#include "branches.h"
 #include "kernels.h"
+
+#ifndef PAGEDLLM_ISA
+#error "PAGEDLLM_ISA names the instruction-set level of the build (see pagedllm/kernels/isa.py)"
+#endif
+#define PAGEDLLM_STRING(x) #x
+#define PAGEDLLM_EXPAND_STRING(x) PAGEDLLM_STRING(x)
 
 // The kernels that run for a while release the GIL: in the server the engine steps on a thread of
 // its own, and the event loop (HTTP, streaming) must not wait for a GEMM to reach its next bytecode.
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = PAGEDLLM_EXPAND_STRING(PAGEDLLM_ISA);
+  {
+    using namespace stack_codes;
+    pybind11::dict codes;
+    codes["DECODE_KERNEL"] = int64_t(kDecode);
+    codes["CHUNKED_KERNEL"] = int64_t(kChunked);
+    codes["AMX_KERNEL"] = int64_t(kAmx);
+    codes["PANEL"] = int64_t(kPanel);
+    codes["GATED_PANEL"] = int64_t(kGatedPanel);
+    codes["INT8_TILED"] = int64_t(kInt8Tiled);
+    codes["QUANT_BLOCKS"] = int64_t(kQuantBlocks);
+    codes["FLOAT_ROWS"] = int64_t(kFloatRows);
+    codes["SILU"] = int64_t(kSilu);
+    codes["GELU"] = int64_t(kGelu);
+    codes["GELU_TANH"] = int64_t(kGeluTanh);
+    m.attr("CODES") = codes;
+  }
+  m.def("kernel_branches", &kernel_branches,
+        "Per kernel: (the branch this build compiled, its calls since the module loaded)");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
   m.def("paged_chunked_attention", &paged_chunked_attention,
         "Paged attention over decodes and prompt chunks, causal, blocks read in place (CPU)", ReleaseGil());

@@ -15,7 +15,7 @@
 // Attention follows the step's plan (PagedAttention.cpu_plan), the same for every layer: parts of
 // the batch, each rows [begin, end) through one kernel (0 decode, 1 chunked, 2 AMX prompt) with its
 // own block_tables, query_start_loc and context_lens (3 tensors per part in `part_tensors`).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 #include <vector>
@@ -27,25 +27,21 @@ namespace {
 constexpr int64_t kLayerTensors = 4;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
-enum Kernel : int64_t { kDecode = 0, kChunked = 1, kAmx = 2 };
-// How a segment multiplies: our packed panels (plain, or gated with silu(gate) * up fused), int8
-// tiles (int8_linear), packed quantized blocks (quant_linear), or float rows (torch's linear).
-enum LinearKind : int64_t { kPanel = 0, kGatedPanel = 1, kInt8Tiled = 2, kQuantBlocks = 3, kFloatRows = 4 };
-enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+using namespace stack_codes;
 
-c10::optional<torch::Tensor> bias_or_none(const torch::Tensor& t) {
+c10::optional<at::Tensor> bias_or_none(const at::Tensor& t) {
   if (t.numel() == 0) return c10::nullopt;
   return t;
 }
 
 struct Part {
   int64_t kernel, begin, end;
-  const torch::Tensor* tensors;  // block_tables, query_start_loc, context_lens
+  const at::Tensor* tensors;  // block_tables, query_start_loc, context_lens
 };
 
 struct Segment {
   int64_t kind, format, rows;
-  const torch::Tensor* tensors;  // weight, bias
+  const at::Tensor* tensors;  // weight, bias
 };
 
 struct Linear {
@@ -59,8 +55,8 @@ struct RowThresholds {
   int64_t small_m, int8_amx;
 };
 
-torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t k, const RowThresholds& rows) {
-  const torch::Tensor& weight = s.tensors[0];
+at::Tensor segment_product(const Segment& s, const at::Tensor& x, int64_t k, const RowThresholds& rows) {
+  const at::Tensor& weight = s.tensors[0];
   auto bias = bias_or_none(s.tensors[1]);
   switch (s.kind) {
     case kPanel: return dense_linear(x, weight, bias, s.rows, k, false);
@@ -76,14 +72,14 @@ torch::Tensor segment_product(const Segment& s, const torch::Tensor& x, int64_t 
   return is_float ? y : y.to(x.scalar_type());
 }
 
-torch::Tensor project(const Linear& linear, const torch::Tensor& x, const RowThresholds& rows) {
+at::Tensor project(const Linear& linear, const at::Tensor& x, const RowThresholds& rows) {
   if (linear.segments.size() == 1) return segment_product(linear.segments[0], x, linear.in_features, rows);
-  std::vector<torch::Tensor> outputs;
+  std::vector<at::Tensor> outputs;
   for (const Segment& s : linear.segments) outputs.push_back(segment_product(s, x, linear.in_features, rows));
-  return torch::cat(outputs, -1);
+  return at::cat(outputs, -1);
 }
 
-torch::Tensor activate(int64_t activation, const torch::Tensor& gate_up) {
+at::Tensor activate(int64_t activation, const at::Tensor& gate_up) {
   switch (activation) {
     case kGelu: return gelu_and_mul(gate_up);
     case kGeluTanh: return gelu_tanh_and_mul(gate_up);
@@ -92,7 +88,7 @@ torch::Tensor activate(int64_t activation, const torch::Tensor& gate_up) {
 }
 
 // The 4 * num_layers linear layers of `specs` / `tensors`, checked against the shapes they must have.
-std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::vector<torch::Tensor>& tensors,
+std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::vector<at::Tensor>& tensors,
                                  int64_t num_layers, const int64_t (&in_features)[kLinearsPerLayer],
                                  const int64_t (&out_features)[kLinearsPerLayer]) {
   std::vector<Linear> linears;
@@ -122,9 +118,9 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
   return linears;
 }
 
-torch::Tensor attend(const Part& part, const torch::Tensor& query, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, double scale, int64_t window) {
-  const torch::Tensor* t = part.tensors;
+at::Tensor attend(const Part& part, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, double scale, int64_t window) {
+  const at::Tensor* t = part.tensors;
   switch (part.kernel) {
     case kDecode: return paged_decode_attention(query, k_cache, v_cache, t[0], t[2], scale, window, 0.0);
     case kAmx: return prompt_attention_amx(query, k_cache, v_cache, t[0], t[1], t[2], scale);
@@ -134,11 +130,11 @@ torch::Tensor attend(const Part& part, const torch::Tensor& query, const torch::
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
-    torch::Tensor hidden, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
-    std::vector<torch::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
-    std::vector<torch::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+std::tuple<at::Tensor, at::Tensor> run_layer_stack(
+    at::Tensor hidden, std::vector<at::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
+    std::vector<at::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, at::Tensor cos,
+    at::Tensor sin, at::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
+    std::vector<at::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t intermediate_size, int64_t activation, int64_t small_m, int64_t int8_amx_min_rows, double eps,
     double scale) {
   const RowThresholds thresholds{small_m, int8_amx_min_rows};
@@ -164,10 +160,10 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
     parts.push_back({part_kernels[p], begin, end, part_tensors.data() + kPartTensors * p});
   }
   const bool whole = num_parts == 1 && parts[0].begin == 0 && parts[0].end == tokens;
-  torch::Tensor residual;
+  at::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
-    const torch::Tensor* t = layer_tensors.data() + i * kLayerTensors;
-    const torch::Tensor &k_cache = t[2], &v_cache = t[3];
+    const at::Tensor* t = layer_tensors.data() + i * kLayerTensors;
+    const at::Tensor &k_cache = t[2], &v_cache = t[3];
     const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, gate_up, down
     if (!residual.defined()) {
       residual = hidden;
@@ -183,11 +179,11 @@ std::tuple<torch::Tensor, torch::Tensor> run_layer_stack(
     auto key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
-    torch::Tensor attended;
+    at::Tensor attended;
     if (whole) {
       attended = attend(parts[0], query, k_cache, v_cache, scale, sliding_windows[i]);
     } else {
-      attended = torch::empty({tokens, num_heads, head_dim}, query.options());
+      attended = at::empty({tokens, num_heads, head_dim}, query.options());
       for (const Part& part : parts) {
         attended.narrow(0, part.begin, part.end - part.begin)
             .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), k_cache, v_cache, scale,

@@ -10,7 +10,7 @@
 //   greedy_pick of the masked logits. It reads only the allowed logits, and never feeds -inf to
 //   exp (the vectorised exp takes a scalar slow path per -inf lane, which made masked greedy
 //   choice slower than the masking itself).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -24,11 +24,11 @@ namespace {
 constexpr uint32_t kAllOnes = 0xFFFFFFFFu;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-void check_bitmask_args(const torch::Tensor& logits, const torch::Tensor& bitmask, c10::IntArrayRef rows) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat && logits.dim() == 2 &&
+void check_bitmask_args(const at::Tensor& logits, const at::Tensor& bitmask, c10::IntArrayRef rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.is_contiguous(),
               "logits must be a contiguous CPU float32 [rows, vocab] tensor");
-  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == torch::kInt && bitmask.dim() == 2 &&
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 &&
                   bitmask.is_contiguous() && bitmask.size(0) == logits.size(0),
               "bitmask must be a contiguous CPU int32 [rows, words] tensor, a row per logits row");
   TORCH_CHECK(bitmask.size(1) * 32 >= logits.size(1), "bitmask has ", bitmask.size(1) * 32, " bits for ",
@@ -116,7 +116,7 @@ std::pair<int64_t, float> greedy_pick_row(const float* row, const uint32_t* mask
 
 }  // namespace
 
-void apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows) {
+void apply_token_bitmask_cpu(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows) {
   check_bitmask_args(logits, bitmask, rows);
   const int64_t vocab = logits.size(1), words = bitmask.size(1);
   float* out = logits.data_ptr<float>();
@@ -145,7 +145,7 @@ void apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, std::v
 // Per row of logits: the greedy token among those its bitmask row allows and that token's
 // log-probability over the allowed tokens; rows not listed in `rows` are unconstrained. A row
 // whose mask allows nothing gets token -1 (callers finish such rows before sampling).
-std::tuple<torch::Tensor, torch::Tensor> greedy_pick_masked_cpu(const torch::Tensor& logits, const torch::Tensor& bitmask,
+std::tuple<at::Tensor, at::Tensor> greedy_pick_masked_cpu(const at::Tensor& logits, const at::Tensor& bitmask,
                                                                  c10::IntArrayRef rows) {
   check_bitmask_args(logits, bitmask, rows);
   const int64_t num_rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
@@ -153,8 +153,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick_masked_cpu(const torch::Ten
   std::vector<const uint32_t*> masks(num_rows, nullptr);
   const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   for (int64_t r : rows) masks[r] = mask + r * words;
-  auto token_ids = torch::empty({num_rows}, logits.options().dtype(torch::kLong));
-  auto logprobs = torch::empty({num_rows}, logits.options());
+  auto token_ids = at::empty({num_rows}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({num_rows}, logits.options());
   const float* x = logits.data_ptr<float>();
   int64_t* ids = token_ids.data_ptr<int64_t>();
   float* lp = logprobs.data_ptr<float>();

@@ -2,9 +2,11 @@
 // float32 in vector registers (visit_row). The ids match pagedllm/quantization/formats.py.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <c10/util/Half.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -237,8 +239,8 @@ inline void decode_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0
   visit_row(format, row, k, k0, k1, [out](int64_t at, vec16 v, auto) { store16(out + at, v); });
 }
 
-inline void check_weight(const torch::Tensor& qweight, int64_t format, int64_t k) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kByte && qweight.dim() == 2,
+inline void check_weight(const at::Tensor& qweight, int64_t format, int64_t k) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2,
               "packed weight must be a CPU uint8 [N, row_bytes] tensor");
   TORCH_CHECK(k % block_values(format) == 0, "in_features ", k, " is not a multiple of the format's block of ",
               block_values(format));

@@ -17,7 +17,7 @@
 // Loops are written for `#pragma omp simd`; exp, tanh and erf become glibc's vector versions
 // (libmvec) under -ffast-math. Rows are split over threads only when a call has enough of them
 // to pay for waking the pool (see kParallelElements).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "vec_math.h"
+#include "branches.h"
 
 namespace {
 
@@ -69,7 +70,7 @@ struct Elem<at::BFloat16> {
 };
 
 template <typename T>
-typename Elem<T>::raw* raw_ptr(const torch::Tensor& t) {
+typename Elem<T>::raw* raw_ptr(const at::Tensor& t) {
   return reinterpret_cast<typename Elem<T>::raw*>(t.data_ptr<T>());
 }
 
@@ -106,9 +107,9 @@ constexpr int64_t kVec = 16;
 constexpr int64_t kVec = 0;  // no explicit vector loops: every loop below is the scalar one
 #endif
 
-void check_floating(const torch::Tensor& t, const char* name) {
+void check_floating(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must have contiguous rows");
 }
@@ -158,7 +159,7 @@ inline float sum_of_squares(const typename Elem<T>::raw* __restrict__ row, int64
 
 // x viewed as [outer, inner, n] (strides so, si, 1) -> a new contiguous tensor of x's shape.
 template <typename T>
-void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, int64_t outer,
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, int64_t outer,
                      int64_t inner, int64_t so, int64_t si, float eps, bool gemma) {
   const int64_t n = x.size(-1);
   const auto* xp = raw_ptr<T>(x);
@@ -174,7 +175,7 @@ void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor& weight, torch:
 }
 
 template <typename T>
-void fused_add_rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, float eps,
+void fused_add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps,
                                bool gemma) {
   using E = Elem<T>;
   const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0), sr = residual.stride(0);
@@ -208,7 +209,7 @@ void fused_add_rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const 
   });
 }
 
-void check_norm_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight) {
   check_floating(weight, "weight");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [", x.size(-1), "], got ",
               weight.sizes());
@@ -233,7 +234,7 @@ inline float activate(float g) {
 }
 
 template <typename T, Act A>
-void act_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
+void act_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
   using E = Elem<T>;
   const int64_t rows = out.size(0), width = out.size(1), sx = x.stride(0);
   const auto* xp = raw_ptr<T>(x);
@@ -259,11 +260,12 @@ void act_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
 }
 
 template <Act A>
-torch::Tensor act_and_mul(torch::Tensor x) {
+at::Tensor act_and_mul(at::Tensor x) {
   check_floating(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [tokens, 2 * width], got ", x.sizes());
-  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == torch::kFloat)
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  pagedllm::count_run(pagedllm::Kernel::kFusedOps);
+  if (x.scalar_type() == at::kFloat)
     act_and_mul_kernel<float, A>(x, out);
   else
     act_and_mul_kernel<at::BFloat16, A>(x, out);
@@ -274,7 +276,7 @@ torch::Tensor act_and_mul(torch::Tensor x) {
 // Rotary embedding (rotate-half layout): per head, channel i < half pairs with i + half.
 
 template <typename T>
-void rotary_kernel(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   using E = Elem<T>;
   const int64_t tokens = x.size(0), heads = x.size(1), half = cos.size(1);
   const int64_t st = x.stride(0), sh = x.stride(1), sc = cos.stride(0), ss = sin.stride(0);
@@ -309,21 +311,22 @@ void rotary_kernel(torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool gemma) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool gemma) {
   check_floating(x, "x");
   check_norm_weight(x, weight);
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must be [rows, width] or [rows, heads, width], got ", x.sizes());
   const int64_t outer = x.size(0), inner = x.dim() == 3 ? x.size(1) : 1;
   const int64_t so = x.stride(0), si = x.dim() == 3 ? x.stride(1) : 0;
-  auto out = torch::empty(x.sizes(), x.options());
-  if (x.scalar_type() == torch::kFloat)
+  auto out = at::empty(x.sizes(), x.options());
+  pagedllm::count_run(pagedllm::Kernel::kFusedOps);
+  if (x.scalar_type() == at::kFloat)
     rms_norm_kernel<float>(x, weight, out, outer, inner, so, si, float(eps), gemma);
   else
     rms_norm_kernel<at::BFloat16>(x, weight, out, outer, inner, so, si, float(eps), gemma);
   return out;
 }
 
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool gemma) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps, bool gemma) {
   check_floating(x, "x");
   check_floating(residual, "residual");
   check_norm_weight(x, weight);
@@ -332,17 +335,18 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual must have x's dtype");
   TORCH_CHECK(x.size(0) < 2 || (x.stride(0) >= x.size(1) && residual.stride(0) >= x.size(1)),
               "x and residual must not have overlapping rows");
-  if (x.scalar_type() == torch::kFloat)
+  pagedllm::count_run(pagedllm::Kernel::kFusedOps);
+  if (x.scalar_type() == at::kFloat)
     fused_add_rms_norm_kernel<float>(x, residual, weight, float(eps), gemma);
   else
     fused_add_rms_norm_kernel<at::BFloat16>(x, residual, weight, float(eps), gemma);
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<Act::silu>(x); }
-torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<Act::gelu_tanh>(x); }
-torch::Tensor gelu_and_mul(torch::Tensor x) { return act_and_mul<Act::gelu>(x); }
+at::Tensor silu_and_mul(at::Tensor x) { return act_and_mul<Act::silu>(x); }
+at::Tensor gelu_tanh_and_mul(at::Tensor x) { return act_and_mul<Act::gelu_tanh>(x); }
+at::Tensor gelu_and_mul(at::Tensor x) { return act_and_mul<Act::gelu>(x); }
 
-void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding_inplace(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_floating(x, "x");
   check_floating(cos, "cos");
   check_floating(sin, "sin");
@@ -355,7 +359,8 @@ void rotary_embedding_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor 
   // Rotated in place: no two heads may share memory.
   TORCH_CHECK((x.size(1) < 2 || x.stride(1) >= x.size(2)) && (x.size(0) < 2 || x.stride(0) >= x.size(1) * x.stride(1)),
               "x must not have overlapping heads");
-  if (x.scalar_type() == torch::kFloat)
+  pagedllm::count_run(pagedllm::Kernel::kFusedOps);
+  if (x.scalar_type() == at::kFloat)
     rotary_kernel<float>(x, cos, sin);
   else
     rotary_kernel<at::BFloat16>(x, cos, sin);

@@ -4,7 +4,7 @@
 // argmax + log_softmax + gather for the same: three passes, a [rows, vocab] temporary, and an
 // argmax that does not vectorise. bfloat16 logits are read as they are: widening them to float32
 // first would be a pass of its own and a copy twice their size.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "vec_math.h"
+#include "branches.h"
 
 namespace {
 
@@ -73,16 +74,17 @@ void greedy_rows(const T* x, int64_t rows, int64_t vocab, int64_t* ids, float* l
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor logits) {
+std::tuple<at::Tensor, at::Tensor> greedy_pick(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat || logits.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "logits must be float32 or bfloat16");
   TORCH_CHECK(logits.size(1) > 0, "logits must have at least one column");
+  pagedllm::count_run(pagedllm::Kernel::kGreedy);
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto token_ids = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  auto logprobs = torch::empty({rows}, logits.options().dtype(torch::kFloat));
-  if (logits.scalar_type() == torch::kFloat) {
+  auto token_ids = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({rows}, logits.options().dtype(at::kFloat));
+  if (logits.scalar_type() == at::kFloat) {
     greedy_rows(logits.data_ptr<float>(), rows, vocab, token_ids.data_ptr<int64_t>(), logprobs.data_ptr<float>());
   } else {
     greedy_rows(reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>()), rows, vocab,

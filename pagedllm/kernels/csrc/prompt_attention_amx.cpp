@@ -20,7 +20,7 @@
 // softmax), P rounded to bfloat16 into two A tiles, P V on tiles, added to the float32
 // accumulator rescaled by the change of the row's max. Keys past a row's position get P = 0
 // exactly. Head sizes: multiples of 64 (four output tiles of 16 per pass).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -33,6 +33,7 @@
 #include "amx_tiles.h"
 #include "vec_math.h"
 #include "work_order.h"
+#include "branches.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace {
@@ -262,17 +263,17 @@ bool prompt_attention_amx_supported(int64_t head_dim) {
 #endif
 }
 
-torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                   torch::Tensor context_lens, double scale) {
+at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor query_start_loc,
+                                   at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "query must be [T, Hq, D], the caches [N, block_size, Hkv, D]");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
               "prompt_attention_amx takes bfloat16 queries and caches");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong &&
-                  query_start_loc.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
               "block_tables, query_start_loc and context_lens must be int64");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -284,7 +285,8 @@ torch::Tensor prompt_attention_amx(torch::Tensor query, torch::Tensor k_cache, t
               "query_start_loc must be [B + 1] and block_tables [B, max_blocks]");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
+  pagedllm::count_run(pagedllm::Kernel::kPromptAttentionAmx);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
   const int64_t* starts = query_start_loc.contiguous().data_ptr<int64_t>();
   const int64_t* lens = context_lens.contiguous().data_ptr<int64_t>();

@@ -12,12 +12,14 @@
 // A sliding window W limits each query to its sequence's last W positions: the walk starts at
 // position length - W, so blocks before it are never touched (the block manager may have freed
 // them). A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c) before the softmax.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "branches.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -346,8 +348,8 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
 }
 
 template <typename scalar_t>
-void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                        float scale, int64_t sliding_window, float soft_cap) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -367,13 +369,13 @@ void dispatch_head_dim(const torch::Tensor& query, const torch::Tensor& k_cache,
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens, double scale,
                                      int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
@@ -381,7 +383,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
+  pagedllm::count_run(pagedllm::Kernel::kDecodeAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
     dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, context_lens, out, static_cast<float>(scale),
                                 sliding_window, static_cast<float>(logits_soft_cap));

@@ -14,7 +14,7 @@
 // Vector code throughout (GCC vector extensions: AVX-512, AVX2 or SSE by the -march of the build).
 // - many rows (prefill): a panel of weight rows is decoded to float32 once and handed to at::mm,
 //   whose GEMM is compute-bound at these sizes; the decode is amortised over the M rows.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "quant_formats.h"
+#include "branches.h"
 
 namespace {
 
@@ -124,17 +125,17 @@ void gemm_small_m(const float* x, int64_t m_rows, const uint8_t* w, int64_t n_ro
 
 }  // namespace
 
-torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, c10::optional<torch::Tensor> rows) {
+at::Tensor dequantize_rows(at::Tensor qweight, int64_t format, int64_t k, c10::optional<at::Tensor> rows) {
   check_weight(qweight, format, k);
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const int64_t rb = qweight.size(1);
-  torch::Tensor index;
+  at::Tensor index;
   if (rows.has_value()) {
-    index = rows->to(torch::kLong).contiguous().view({-1});
+    index = rows->to(at::kLong).contiguous().view({-1});
   }
   const int64_t n = rows.has_value() ? index.numel() : qweight.size(0);
   const int64_t* idx = rows.has_value() ? index.data_ptr<int64_t>() : nullptr;
-  auto out = torch::empty({n, k}, torch::dtype(torch::kFloat));
+  auto out = at::empty({n, k}, at::dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const int64_t total = qweight.size(0);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -147,23 +148,24 @@ torch::Tensor dequantize_rows(torch::Tensor qweight, int64_t format, int64_t k, 
   return out;
 }
 
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, int64_t format, int64_t k,
-                           c10::optional<torch::Tensor> bias, int64_t small_m) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t format, int64_t k,
+                           c10::optional<at::Tensor> bias, int64_t small_m) {
   check_weight(qweight, format, k);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "x must be float32 [..., ", k, "]");
   TORCH_CHECK(k % 16 == 0, "in_features must be a multiple of 16");
+  pagedllm::count_run(pagedllm::Kernel::kQuantLinear);
   auto shape = x.sizes().vec();
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0), n = qweight.size(0);
   shape.back() = n;
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value()) {
-    bias_c = bias->to(torch::kFloat).contiguous();
+    bias_c = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_c.numel() == n, "bias must have ", n, " elements");
   }
   const float* bias_p = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
   if (m <= 4) {
-    auto y = torch::empty({m, n}, x2.options());
+    auto y = at::empty({m, n}, x2.options());
     const float* xp = x2.data_ptr<float>();
     const uint8_t* wp = qweight.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
@@ -176,14 +178,14 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, int64_t forma
     return y.view(shape);
   }
   if (m <= small_m) {
-    auto y = torch::empty({m, n}, x2.options());
+    auto y = at::empty({m, n}, x2.options());
     gemm_small_m(x2.data_ptr<float>(), m, qweight.data_ptr<uint8_t>(), n, k, format,
                  bias.has_value() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>());
     return y.view(shape);
   }
   // Many rows: decode panels of weight rows (about 2 MiB of float32 each, so they stay in cache
   // for the GEMM) and let at::mm multiply.
-  auto y = torch::empty({m, n}, x2.options());
+  auto y = at::empty({m, n}, x2.options());
   const int64_t panel = std::max<int64_t>(16, std::min<int64_t>(n, (2 << 20) / (4 * k)) / 16 * 16);
   for (int64_t n0 = 0; n0 < n; n0 += panel) {
     const int64_t rows = std::min(panel, n - n0);

@@ -1,0 +1,81 @@
+"""Which build of the CPU kernels runs: the one of the level ``kernel_config().isa`` names, or of the
+best level this CPU has (``auto``). Every caller of the C++ kernels gets its module here.
+
+Builds are loaded once per level and kept: a test may run one level, then another, in one
+process (``use_kernel_config(isa=...)``); a model keeps the module it was built with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import ModuleType
+
+from pagedllm.kernels.build import build_level
+from pagedllm.kernels.codes import check_codes
+from pagedllm.kernels.config import kernel_config
+from pagedllm.kernels.isa import level_index, resolve_level
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+_build_errors: dict[str, str] = {}
+
+
+def active_isa() -> str:
+    """The level the kernels run at: the forced one (checked against this CPU, a ValueError naming
+    what it lacks) or the best one here."""
+    return resolve_level(kernel_config().isa)
+
+
+def isa_at_least(level: str) -> bool:
+    """Whether the active level includes ``level``'s instructions (False with the kernels off)."""
+    return kernel_config().cpu_kernels and level_index(active_isa()) >= level_index(level)
+
+
+def module_for(level: str, verbose: bool = False) -> ModuleType | None:
+    """The module built for ``level`` (built on first use), or None when it cannot be built here."""
+    module = _modules.get(level)
+    if module is not None or level in _build_errors:
+        return module
+    with _lock:
+        if level in _modules or level in _build_errors:
+            return _modules.get(level)
+        try:
+            module = build_level(level, verbose=verbose)
+            check_codes(module)
+        except Exception as exc:  # a missing toolchain must not take the engine down
+            _build_errors[level] = f"{type(exc).__name__}: {exc}".strip()
+            logger.warning("CPU kernels (%s) unavailable (%s); using the torch-native paths.", level, exc)
+            return None
+        _modules[level] = module
+        return module
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The kernels' module for the active level, or None: turned off (``cpu_kernels=False``), or
+    not buildable here (``unavailable_reason`` says why)."""
+    if not kernel_config().cpu_kernels:
+        return None
+    return module_for(active_isa())
+
+
+def unavailable_reason() -> str | None:
+    """Why ``cpu_kernels()`` is None (None: it is not)."""
+    config = kernel_config()
+    if not config.cpu_kernels:
+        return "turned off (PAGEDLLM_CPU_KERNEL=0)"
+    level = active_isa()
+    if module_for(level) is not None:
+        return None
+    return f"the {level} build failed: {build_error(level)}"
+
+
+def build_error(level: str) -> str | None:
+    """Why the build of ``level`` failed (None: it did not, or was not tried)."""
+    return _build_errors.get(level)
+
+
+def loaded_levels() -> tuple[str, ...]:
+    return tuple(_modules)
