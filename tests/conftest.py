@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (servers the tests start in subprocesses inherit it).
 os.environ.setdefault("PAGEDLLM_CPU_BF16", "0")
 
+from kernel_levels import enter_level, levels_here  # noqa: E402  (after the environment it reads)
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "PagedAttention stores the KV cache in fixed-size blocks, like pages of virtual memory.",
@@ -113,6 +115,13 @@ def assert_no_leaks(llm) -> None:
     block_manager = engine.scheduler.block_manager
     block_manager.check_invariants()
     assert block_manager.all_free()
+
+
+@pytest.fixture(params=levels_here())
+def kernel_level(request):
+    """Runs the test once per instruction-set level this CPU executes (kernel_levels.py)."""
+    with enter_level(request.param) as level:
+        yield level
 
 
 # For server test modules whose ``server`` fixture yields test_server.serving(...)'s namespace.

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import KernelConfig, cpu_kernels, use_kernel_config
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import (
     GatedPanelWeight,
@@ -44,11 +44,12 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
 # (out, in): AMX needs in % 32 == 0
 @pytest.mark.parametrize("shape", [(200, 96), (70, 576), (33, 1536), (40, 45), (40, 131)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 31, 32, 45, 64, 300])
-def test_panel_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> None:
+def test_panel_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int], rows: int, kernel_level) -> None:
     """The panel kernel over every tail: outputs not a multiple of 32, odd inputs (alone and after
-    whole chunks of inputs), row blocks."""
+    whole chunks of inputs), row blocks; at every level, on the branch that level compiles."""
     if not panels_supported(dtype):
-        pytest.skip(f"no panel kernel for {dtype} on this CPU")
+        assert not kernel_level.has(_panel_kernel(dtype, shape[1], kernel_level))
+        pytest.skip(f"no panel kernel for {dtype} at the {kernel_level.level} level")
     torch.manual_seed(rows)
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features).to(dtype)
@@ -64,6 +65,15 @@ def test_panel_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int]
     assert torch.equal(packed.linear(x.view(rows, 1, in_features), bias).view(rows, out_features), y)
     if dtype == torch.float32:  # the bias is added to the finished sum
         torch.testing.assert_close(packed.linear(x, None) + bias, y, rtol=0, atol=0)
+    kernel_level.assert_ran(_panel_kernel(dtype, in_features, kernel_level))
+
+
+def _panel_kernel(dtype: torch.dtype, in_features: int, kernel_level) -> str:
+    """The kernel name (kernel_levels.EXPECTED_BRANCHES) a panel product of this dtype runs at a level."""
+    if dtype == torch.float32:
+        return "dense_gemm_f32"
+    amx = kernel_level.has("dense_gemm_bf16_amx") and in_features % 32 == 0
+    return "dense_gemm_bf16_amx" if amx else "dense_gemm_bf16"
 
 
 @pytest.mark.skipif(not panels_supported(torch.float32), reason="no float32 panel kernel on this CPU")
@@ -82,10 +92,11 @@ def test_panel_kernel_rows_do_not_depend_on_their_batch() -> None:
 @pytest.mark.parametrize("in_features", [576, 40])
 @pytest.mark.parametrize("rows", [1, 7, 33, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: int, rows: int, bias: bool) -> None:
+def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: int, rows: int, bias: bool,
+                                               kernel_level) -> None:
     """silu(gate) * up in the GEMM's epilogue: the same bits as the GEMM, then the silu_and_mul kernel."""
     if not panels_supported(dtype):
-        pytest.skip(f"no panel kernel for {dtype} on this CPU")
+        pytest.skip(f"no panel kernel for {dtype} at the {kernel_level.level} level")
     torch.manual_seed(rows)
     width = 96
     weight = (torch.randn(2 * width, in_features) / 8).to(dtype)
@@ -95,37 +106,47 @@ def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: 
     unfused = plain.linear(x, b)
     assert torch.equal(gated.linear(x, b), unfused)  # the plain product, in the weight's own row order
     assert torch.equal(gated.silu_and_mul(x), cpu_kernels().silu_and_mul(unfused))
+    kernel_level.assert_ran(_panel_kernel(dtype, in_features, kernel_level), "fused_ops")
 
 
-def test_gemm_path_choice(monkeypatch) -> None:
+def test_gemm_path_choice(kernel_level) -> None:
+    """Which path ``auto`` takes follows the level: panels for float32 from AVX-512 on, for
+    bfloat16 with AMX only (oneDNN beats vdpbf16ps past a few rows); oneDNN below."""
+    cpu = torch.device("cpu")
     assert not cpu_gemm_enabled(torch.device("meta"), torch.float32)
-    assert not cpu_gemm_enabled(torch.device("cpu"), torch.float16)
-    if panels_supported(torch.float32):
-        monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "panels")
-        assert cpu_gemm_path(torch.device("cpu"), torch.float32) == "panels"
+    assert not cpu_gemm_enabled(cpu, torch.float16)
+    fallback = "onednn" if ONEDNN else None
+    assert cpu_gemm_path(cpu, torch.float32) == ("panels" if kernel_level.has("dense_gemm_f32") else fallback)
+    bf16_fallback = "onednn" if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    bf16_auto = "panels" if kernel_level.has("dense_gemm_bf16_amx") else bf16_fallback
+    assert cpu_gemm_path(cpu, torch.bfloat16) == bf16_auto
+    if kernel_level.has("dense_gemm_bf16"):
+        with use_kernel_config(gemm="panels"):
+            assert cpu_gemm_path(cpu, torch.bfloat16) == "panels"
     if ONEDNN:
-        monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
-        assert cpu_gemm_path(torch.device("cpu"), torch.float32) == "onednn"
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "torch")
-    assert not cpu_gemm_enabled(torch.device("cpu"), torch.float32)
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "mkl")
+        with use_kernel_config(gemm="onednn"):
+            assert cpu_gemm_path(cpu, torch.float32) == "onednn"
+    with use_kernel_config(gemm="torch"):
+        assert not cpu_gemm_enabled(cpu, torch.float32)
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_GEMM='mkl'"):
-        cpu_gemm_path(torch.device("cpu"), torch.float32)
+        KernelConfig(gemm="mkl")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_GEMM='mkl'"):
+        KernelConfig.from_env({"PAGEDLLM_CPU_GEMM": "mkl"})
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
-def test_packed_model_equals_torch_path(tiny_model_factory, monkeypatch) -> None:
+def test_packed_model_equals_torch_path(tiny_model_factory) -> None:
     """Every linear and the LM head packed; logits equal the F.linear build's to float32 rounding."""
     config = load_model_config(tiny_model_factory("llama"), dtype="float32")
     packed = build_model(config, "cpu")
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "torch")
-    plain = build_model(config, "cpu")
+    with use_kernel_config(gemm="torch"):
+        plain = build_model(config, "cpu")
+        assert pack_linears(plain, torch.device("cpu"), torch.float32) == 0  # still off: gemm="torch"
     linears = [m for m in packed.modules() if isinstance(m, PackableLinear)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert packed.logits_head().packed_weight is not None
     assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, PackableLinear))
     assert getattr(plain.logits_head(), "packed_weight", None) is None
-    assert pack_linears(plain, torch.device("cpu"), torch.float32) == 0  # still off: the variable is set
     ids = torch.tensor([5, 9, 2, 77, 31, 8])
     with torch.inference_mode():
         logits = [m.compute_logits(m(ids, torch.arange(len(ids)), None, None)) for m in (packed, plain)]

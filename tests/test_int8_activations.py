@@ -14,13 +14,14 @@ from conftest import assert_no_leaks
 from test_quantized import GGUF_TYPES, _gguf, _greedy, _packed, _prompts, _vocab, gguf_dir, tokenizer_dir  # noqa: F401
 
 from pagedllm import LLM
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, kernel_config, use_kernel_config
 from pagedllm.quantization.apply import packed_weight_bytes
-from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS, Int8TiledTensor, int8_tiling_reason, tile_for_int8
+from pagedllm.quantization.int8_tiles import Int8TiledTensor, int8_tiling_reason, tile_for_int8
 from pagedllm.quantization.quantize import quantize_int4_groups, quantize_int8_per_channel
 
 pytestmark = pytest.mark.skipif(int8_tiling_reason(torch.device("cpu")) is not None,
                                 reason="no int8 dot-product kernels on this machine")
+AMX_MIN_ROWS = kernel_config().int8_amx_min_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,11 @@ def _weights() -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize(("name", "packed"), _weights(), ids=[n for n, _ in _weights()])
-def test_int8_kernel_equals_its_arithmetic(name, packed):
+def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
+    reason = int8_tiling_reason(torch.device("cpu"))
+    if reason is not None:
+        assert not kernel_level.has("int8_linear_dot")
+        pytest.skip(f"{kernel_level.level}: {reason}")
     tiled = tile_for_int8(packed.data, packed.fmt, 512)
     if tiled is None:
         assert not cpu_kernels().int8_tiling_supported(packed.fmt.id)
@@ -79,6 +84,10 @@ def test_int8_kernel_equals_its_arithmetic(name, packed):
         torch.testing.assert_close(tiled.linear(x, bias), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     ids = torch.tensor([[36, 0], [16, 15]])
     torch.testing.assert_close(tiled.take_rows(ids), weight[ids], rtol=0, atol=0)
+    kernel_level.assert_ran("int8_linear_dot")
+    assert amx == kernel_level.has("int8_linear_amx")
+    if amx:
+        kernel_level.assert_ran("int8_linear_amx")
 
 
 @pytest.mark.parametrize("types", ["Q4_0", "Q4_K_M"])
@@ -113,17 +122,16 @@ def test_int8_activations_refused_off_cpu():
     assert resolve_int8_activations(None, torch.device("meta")) is False
 
 
-def test_default_model_accuracy_with_int8_activations(monkeypatch):
+def test_default_model_accuracy_with_int8_activations():
     """The issue's bars on the default model, on a shorter run than the benchmark's: perplexity
     within 1% of float activations, teacher-forced greedy agreement >= 95%. Every product on int8
     activations: the prompts that score the text would otherwise run on AMX in bfloat16 here."""
-    monkeypatch.setattr("pagedllm.quantization.int8_tiles.AMX_MIN_ROWS", 0)
-    monkeypatch.setattr("pagedllm.models.layer_stack.AMX_MIN_ROWS", 0)
     spec = importlib.util.spec_from_file_location("int8_activations_bench",
                                                   os.path.join(ROOT, "benchmarks", "int8_activations.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS[:8], text_tokens=1024)
+    with use_kernel_config(int8_amx_min_rows=0):
+        result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS[:8], text_tokens=1024)
     assert result["perplexity_ratio"] <= 1.01, result
     assert result["agreement_teacher_forced"] >= 0.95, result
     assert np.isfinite(result["perplexity_float"])

@@ -8,12 +8,12 @@ import torch
 from gguf_models import write_tiny_llama_gguf
 from test_models import TINY, PagedBatch, make_caches
 
-from pagedllm.attention.backend import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx_supported
+from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL, FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS
 from pagedllm.models import build_model, load_model_config
-from pagedllm.models.cpu_gemm import panels_supported
-from pagedllm.models.layer_stack import FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS, LayerStack
+from pagedllm.models.cpu_gemm import cpu_gemm_path, panels_supported
+from pagedllm.models.layer_stack import LayerStack
 from pagedllm.quantization.int8_tiles import int8_tiling_reason
 
 transformers = pytest.importorskip("transformers")
@@ -74,23 +74,36 @@ def _count_stack_runs(monkeypatch) -> list[list[int]]:
     return runs
 
 
-def _without_stack(monkeypatch, model, model_config) -> list[torch.Tensor]:
-    monkeypatch.setenv("PAGEDLLM_LAYER_STACK", "0")
-    model.model._stack_key = -1  # decide again
-    logits = _step_logits(model, model_config)
+def _without_stack(model, model_config) -> list[torch.Tensor]:
+    with use_kernel_config(layer_stack=False):
+        model.model._stack_key = -1  # decide again
+        logits = _step_logits(model, model_config)
     assert model.model._stack is None
     return logits
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied-llama3rope", "qwen2", "mistral-window", "llama-head64"])
-def test_layer_stack_equals_the_python_layers(name, dtype, tmp_path, monkeypatch):
+def test_layer_stack_equals_the_python_layers(name, dtype, tmp_path, monkeypatch, kernel_level):
     """Biases on q/k/v/o (llama-tied-llama3rope, qwen2), GQA, a window narrower than the sequences
     (mistral-window), float32 and bfloat16, decodes and prompt chunks: every step's logits equal
-    the Python layers'."""
-    if not panels_supported(getattr(torch, dtype)):
-        pytest.skip(f"no packed {dtype} GEMM on this CPU (the stack needs it)")
+    the Python layers'. At each level: what ``auto`` does there (the stack over our panels, or
+    oneDNN's weights and the Python layers), then the stack forced onto the panels where that
+    level's kernels have them."""
     config = CONFIGS[name] if name in CONFIGS else TINY[name]
+    if cpu_gemm_path(torch.device("cpu"), getattr(torch, dtype)) != "panels":
+        model_config, model = _build(tmp_path / "auto", config, dtype)
+        _step_logits(model, model_config)
+        assert model.model._stack is None  # the weights are oneDNN's or torch's: no stack
+        if not panels_supported(getattr(torch, dtype)):
+            pytest.skip(f"no packed {dtype} GEMM at the {kernel_level.level} level (the stack needs it)")
+    with use_kernel_config(gemm="panels"):
+        _check_stack_equals_the_python_layers(name, config, dtype, tmp_path / "panels", monkeypatch)
+    kernel_level.assert_ran("paged_decode_attention", "paged_chunked_attention", "fused_ops",
+                            "dense_gemm_f32" if dtype == "float32" else "dense_gemm_bf16")
+
+
+def _check_stack_equals_the_python_layers(name, config, dtype, tmp_path, monkeypatch) -> None:
     model_config, model = _build(tmp_path, config, dtype)
     runs = _count_stack_runs(monkeypatch)
     with_stack = _step_logits(model, model_config)
@@ -101,7 +114,7 @@ def test_layer_stack_equals_the_python_layers(name, dtype, tmp_path, monkeypatch
     bf16 = torch.empty(1, model_config.head_dim, dtype=torch.bfloat16)
     if dtype == "bfloat16" and name != "mistral-window" and prompt_attention_amx_supported(bf16, bf16):
         assert [AMX_KERNEL, CHUNKED_KERNEL] in runs
-    without = _without_stack(monkeypatch, model, model_config)
+    without = _without_stack(model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
 
@@ -114,12 +127,12 @@ MIXED = {"default": "Q4_K", "attn_v": "F32", "ffn_down": "Q6_K", "ffn_up": "Q8_0
 @pytest.mark.parametrize(("types", "dtype", "int8"), [
     ("Q4_1", "float32", None), ("mixed", "float32", False), ("mixed", "float32", True), ("mixed", "bfloat16", False),
 ])
-def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkeypatch):
+def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkeypatch, kernel_level):
     """GGUF weights kept packed (the default model's case), multiplied by int8 tiles or by the
     float-activation block kernels, one or several segments per layer: the same logits as the
-    Python layers, bit for bit."""
+    Python layers, bit for bit, at every level."""
     if int8 and int8_tiling_reason(torch.device("cpu")) is not None:
-        pytest.skip(int8_tiling_reason(torch.device("cpu")))
+        pytest.skip(f"{kernel_level.level}: {int8_tiling_reason(torch.device('cpu'))}")
     path = write_tiny_llama_gguf(str(tmp_path / "model.gguf"), MIXED if types == "mixed" else types, 211)
     model_config = load_model_config(path, dtype=dtype)
     model_config.int8_activations = int8
@@ -133,9 +146,10 @@ def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkey
         assert layers[0][:2] == [[packed, FLOAT_ROWS], [packed]] and len(layers[0][2]) == 2
     else:
         assert layers[0] == [[packed]] * 4
-    without = _without_stack(monkeypatch, model, model_config)
+    without = _without_stack(model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
+    kernel_level.assert_ran("paged_decode_attention", "int8_linear_dot" if packed == INT8_TILED else "quant_linear")
 
 
 def _segment_kinds(specs: list[int]) -> list[list[list[int]]]:
@@ -148,16 +162,16 @@ def _segment_kinds(specs: list[int]) -> list[list[list[int]]]:
     return [linears[i:i + 4] for i in range(0, len(linears), 4)]
 
 
-def test_models_it_does_not_reproduce_keep_the_python_layers(tmp_path, monkeypatch):
+def test_models_it_does_not_reproduce_keep_the_python_layers(tmp_path):
     """Weights left unpacked (the torch GEMM path) give no stack; the steps run as before."""
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "torch")
-    model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
-    _step_logits(model, model_config)
+    with use_kernel_config(gemm="torch"):
+        model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
+        _step_logits(model, model_config)
     assert model.model._stack is None
 
 
 def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
-    """From AMX_MIN_ROWS rows on, int8-tiled products run on AMX over bfloat16-decoded panels; the
+    """From ``int8_amx_min_rows`` rows on, int8-tiled products run on AMX over bfloat16-decoded panels; the
     loop takes the same threshold, so its logits still equal the Python layers' bit for bit. The
     threshold is lowered to 4 so that this batch's decode steps take that path."""
     if int8_tiling_reason(torch.device("cpu")) is not None:
@@ -175,6 +189,6 @@ def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
     with_stack = _step_logits(model, model_config)
     assert runs.count([DECODE_KERNEL]) == 4
     assert not torch.equal(with_stack[1], on_dot_products[1])  # a decode step took the other path
-    without = _without_stack(monkeypatch, model, model_config)
+    without = _without_stack(model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)

@@ -43,9 +43,7 @@ from pagedllm.kernels.attention import (
     prompt_attention_amx,
     prompt_attention_amx_supported,
 )
-
-# The kernels a CPU attention plan (PagedAttention.cpu_plan) gives a part of a batch.
-from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL
+from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL  # a CPU attention plan's kernels
 
 # On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
 # SDPA over their gathered context rather than our chunked kernel (which stays for decodes and

@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backend import DECODE_KERNEL
 from pagedllm.kernels import cpu_kernels, kernel_config
-from pagedllm.kernels.codes import ACTIVATION_CODES, FLOAT_ROWS, GATED_PANEL, INT8_TILED, PANEL, QUANT_BLOCKS
+from pagedllm.kernels.codes import (
+    ACTIVATION_CODES,
+    DECODE_KERNEL,
+    FLOAT_ROWS,
+    GATED_PANEL,
+    INT8_TILED,
+    PANEL,
+    QUANT_BLOCKS,
+)
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.models.layers import RMSNorm

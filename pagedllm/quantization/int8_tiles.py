@@ -71,7 +71,7 @@ def int8_tiling_reason(device: torch.device) -> str | None:
     if module is None:
         return "int8 activations need the C++ CPU kernels, which are not available here"
     if module.int8_dot_isa() == "portable":
-        return "this CPU has no integer dot-product instructions (AVX2 or VNNI) for int8 activations"
+        return f"the {module.ISA} kernels have no integer dot product (AVX2 or VNNI) for int8 activations"
     return None
 
 
