@@ -98,3 +98,19 @@ def enter_level(level: str) -> Iterator[KernelLevel]:
         module = cpu_kernels()
         assert module is not None and module.ISA == level, f"no {level} build loaded"
         yield KernelLevel(level, module)
+
+
+def kernel_paths() -> list[str]:
+    """"torch" (the reference path, the one a GPU runs) and every level of ``levels_here``."""
+    return ["torch", *levels_here()]
+
+
+@contextlib.contextmanager
+def at_path(path: str) -> Iterator[KernelLevel | None]:
+    """Inside: the kernels at level ``path``, or off (None) for "torch"."""
+    if path == "torch":
+        with use_kernel_config(cpu_kernels=False):
+            yield None
+    else:
+        with enter_level(path) as level:
+            yield level

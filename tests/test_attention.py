@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from kernel_levels import at_path, kernel_paths
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.kernels import cpu_kernels
@@ -117,28 +118,36 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None
         torch.testing.assert_close(out[start:end].double(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("use_cpu_kernel", [False, True])
-def test_prefill_matches_reference(use_cpu_kernel):
-    for seed in range(8):
-        _run(seed, "prefill", use_cpu_kernel=use_cpu_kernel)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_prefill_matches_reference(path):
+    with at_path(path):
+        for seed in range(8):
+            _run(seed, "prefill", use_cpu_kernel=path != "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
-@pytest.mark.parametrize("use_cpu_kernel", [False, True])
-def test_decode_matches_reference(use_cpu_kernel, head_dim, dtype):
-    """Head sizes 32, 64 and 128 take the kernel's vectorised rows (float32 and bfloat16), others the generic loop."""
-    for seed in range(8):
-        _run(seed, "decode", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim, dtype=dtype)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_decode_matches_reference(path, head_dim, dtype):
+    """Head sizes 32, 64 and 128 take the kernel's vectorised rows (float32 and bfloat16), others the
+    generic loop; at every level, the torch path too."""
+    with at_path(path) as level:
+        for seed in range(8):
+            _run(seed, "decode", use_cpu_kernel=path != "torch", head_dim=head_dim, dtype=dtype)
+        if level is not None:
+            level.assert_ran("paged_decode_attention")
 
 
 @pytest.mark.parametrize("head_dim", [8, 64])
-@pytest.mark.parametrize("use_cpu_kernel", [False, True])
-def test_mixed_batch_matches_reference(use_cpu_kernel, head_dim):
+@pytest.mark.parametrize("path", kernel_paths())
+def test_mixed_batch_matches_reference(path, head_dim):
     """Decodes and prompt chunks in one batch: the torch path (gathering) and the C++ kernel
-    (reading blocks in place) against attention computed token by token."""
-    for seed in range(8):
-        _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim)
+    (reading blocks in place, at every level) against attention computed token by token."""
+    with at_path(path) as level:
+        for seed in range(8):
+            _run(seed, "mixed", use_cpu_kernel=path != "torch", head_dim=head_dim)
+        if level is not None:
+            level.assert_ran("paged_chunked_attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -197,6 +206,7 @@ def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window):
             for head_dim in (64, 128):
                 _run(seed, "mixed", use_cpu_kernel=True, head_dim=head_dim, window=window, dtype=torch.bfloat16)
     assert calls
+    assert cpu_kernels().kernel_branches()["prompt_attention_amx"][0] == "amx"
 
 
 @pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
@@ -239,12 +249,16 @@ def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, h
 
 
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
-@pytest.mark.parametrize("use_cpu_kernel", [False, True])
-def test_mixed_batch_with_window_and_soft_cap(use_cpu_kernel, window, soft_cap):
+@pytest.mark.parametrize("path", kernel_paths())
+def test_mixed_batch_with_window_and_soft_cap(path, window, soft_cap):
     """Mixed batches through a sliding window (blocks before it released) and soft-capped scores."""
-    for seed in range(8):
-        for head_dim in (8, 64):
-            _run(seed, "mixed", use_cpu_kernel=use_cpu_kernel, head_dim=head_dim, window=window, soft_cap=soft_cap)
+    with at_path(path) as level:
+        for seed in range(8):
+            for head_dim in (8, 64):
+                _run(seed, "mixed", use_cpu_kernel=path != "torch", head_dim=head_dim, window=window,
+                     soft_cap=soft_cap)
+        if level is not None:
+            level.assert_ran("paged_chunked_attention")
 
 
 def test_cpu_kernel_builds_here():

@@ -35,18 +35,19 @@ def _wide_rows(rows: int, width: int, dtype: torch.dtype, extra: int = 7) -> tor
 @pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("rows,width", [(1, 576), (67, 37), (300, 576)])
 @torch.inference_mode()
-def test_rms_norm(dtype, gemma, rows, width) -> None:
+def test_rms_norm(dtype, gemma, rows, width, kernel_level) -> None:
     norm = _norm(gemma, width, dtype)
     for x in (torch.randn(rows, width).to(dtype), _wide_rows(rows, width, dtype)):
         out = fused_ops.rms_norm(x, norm.weight, norm.eps, gemma)
         assert out is not None and out.is_contiguous() and out.dtype == dtype
         torch.testing.assert_close(out, norm.reference(x), **_tol(dtype))
         assert norm(x).dtype == dtype
+    kernel_level.assert_ran("fused_ops")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_rms_norm_of_heads_in_a_fused_projection(dtype) -> None:
+def test_rms_norm_of_heads_in_a_fused_projection(dtype, kernel_level) -> None:
     """Qwen3's per-head q norm: [T, heads, head_dim] viewed out of the fused qkv output."""
     tokens, heads, head_dim = 5, 3, 64
     qkv = torch.randn(tokens, (heads + 2) * head_dim).to(dtype)
@@ -54,13 +55,14 @@ def test_rms_norm_of_heads_in_a_fused_projection(dtype) -> None:
     assert not q.is_contiguous()
     norm = _norm(False, head_dim, dtype)
     torch.testing.assert_close(norm(q), norm.reference(q), **_tol(dtype))
+    kernel_level.assert_ran("fused_ops")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("rows,width", [(1, 576), (64, 37), (300, 576)])
 @torch.inference_mode()
-def test_fused_add_rms_norm_in_place(dtype, gemma, rows, width) -> None:
+def test_fused_add_rms_norm_in_place(dtype, gemma, rows, width, kernel_level) -> None:
     norm = _norm(gemma, width, dtype)
     x, residual = torch.randn(rows, width).to(dtype), _wide_rows(rows, width, dtype)
     expected_residual = x + residual
@@ -69,13 +71,14 @@ def test_fused_add_rms_norm_in_place(dtype, gemma, rows, width) -> None:
     assert out is x and new_residual is residual  # overwritten in place, as vLLM's kernel
     torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, **_tol(dtype))
+    kernel_level.assert_ran("fused_ops")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (64, 37), (256, 1536)])
 @torch.inference_mode()
-def test_act_and_mul(dtype, activation, rows, width) -> None:
+def test_act_and_mul(dtype, activation, rows, width, kernel_level) -> None:
     act = get_activation(activation)
     for x in (torch.randn(rows, 2 * width).to(dtype) * 3, _wide_rows(rows, 2 * width, dtype)):
         out = fused_ops.act_and_mul(x, activation)
@@ -84,6 +87,7 @@ def test_act_and_mul(dtype, activation, rows, width) -> None:
         torch.testing.assert_close(out, act(gate) * up, **_tol(dtype))
     assert fused_ops.act_and_mul(x, "relu") is None
     torch.testing.assert_close(ActAndMul("relu")(x), torch.relu(gate) * up)
+    kernel_level.assert_ran("fused_ops")
 
 
 def _cos_sin(tokens: int, rotary_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +103,7 @@ def _cos_sin(tokens: int, rotary_dim: int, dtype: torch.dtype) -> tuple[torch.Te
 @pytest.mark.parametrize("tokens", [1, 64])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 32), (80, 20)])
 @torch.inference_mode()
-def test_rotary_in_place_on_fused_qkv(dtype, tokens, head_dim, rotary_dim) -> None:
+def test_rotary_in_place_on_fused_qkv(dtype, tokens, head_dim, rotary_dim, kernel_level) -> None:
     """q and k heads rotated in place inside the fused qkv output; v and the channels past a
     partial rotary width untouched."""
     q_heads, kv_heads = 9, 3
@@ -115,6 +119,7 @@ def test_rotary_in_place_on_fused_qkv(dtype, tokens, head_dim, rotary_dim) -> No
     assert torch.equal(qkv[:, qk_width:], before[:, qk_width:])
     passthrough = out[..., rotary_dim:]
     assert torch.equal(passthrough, before[:, :qk_width].view(tokens, -1, head_dim)[..., rotary_dim:])
+    kernel_level.assert_ran("fused_ops")
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ from conftest import assert_no_leaks, train_tokenizer
 from gguf_models import Q4_K_M, random_kquant, write_tiny_llama_gguf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import use_kernel_config
 from pagedllm.models.cpu_gemm import PackableLinear
 from pagedllm.models.loader import build_model, load_model_config
 from pagedllm.quantization import formats
@@ -42,21 +42,20 @@ def _packed(type_name: str, rows: int, cols: int, seed: int = 0) -> PackedTensor
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_dequantize_equals_gguf_py(type_name):
+def test_dequantize_equals_gguf_py(type_name, kernel_level):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
     packed = _packed(type_name, 24, 512)
     expected = torch.from_numpy(dequantize(packed.data.numpy(), GGMLQuantizationType[type_name]).astype(np.float32))
     torch.testing.assert_close(formats.dequantize(packed.data, packed.fmt, 512), expected, rtol=0, atol=0)
-    if cpu_kernels() is not None:
-        cpp = cpu_kernels().dequantize_rows(packed.data, packed.fmt.id, 512, None)
-        torch.testing.assert_close(cpp, expected, rtol=1e-6, atol=1e-7)  # an FMA may round once less
+    cpp = kernel_level.module.dequantize_rows(packed.data, packed.fmt.id, 512, None)
+    torch.testing.assert_close(cpp, expected, rtol=1e-6, atol=1e-7)  # an FMA may round once less
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, SMALL_M + 5])
-def test_packed_linear_equals_dequantized_product(type_name, rows):
+def test_packed_linear_equals_dequantized_product(type_name, rows, kernel_level):
     packed = _packed(type_name, 37, 512, seed=rows)  # 37 output rows: a partial tile of 4
     weight = packed.dequantize()
     x = torch.randn(rows, 512)
@@ -64,17 +63,18 @@ def test_packed_linear_equals_dequantized_product(type_name, rows):
     expected = torch.nn.functional.linear(x, weight, bias)
     got = packed_linear(x, packed.data, packed.fmt, 512, bias)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    kernel_level.assert_ran("quant_linear")
 
 
-def test_torch_reference_path_matches_kernel(monkeypatch):
+def test_torch_reference_path_matches_kernel():
     packed = _packed("Q4_K", 16, 256)
     x = torch.randn(2, 256)
     kernel = packed_linear(x, packed.data, packed.fmt, 256, None)
-    monkeypatch.setenv("PAGEDLLM_QUANT_KERNEL", "torch")
-    reference = packed_linear(x, packed.data, packed.fmt, 256, None)
-    torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-5)
-    ids = torch.tensor([[3, 0], [15, 3]])
-    torch.testing.assert_close(packed_embedding(ids, packed.data, packed.fmt, 256), packed.dequantize()[ids])
+    with use_kernel_config(quant_kernel="torch"):
+        reference = packed_linear(x, packed.data, packed.fmt, 256, None)
+        torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-5)
+        ids = torch.tensor([[3, 0], [15, 3]])
+        torch.testing.assert_close(packed_embedding(ids, packed.data, packed.fmt, 256), packed.dequantize()[ids])
 
 
 def test_packed_tensor_narrows_on_block_boundaries_only():
@@ -166,7 +166,7 @@ def _dequantized_engine(path: str, tokenizer_dir: str) -> LLM:
 
 
 @pytest.mark.parametrize("types", GGUF_TYPES + ["Q4_K_M"])
-def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir):
+def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir, kernel_level):
     path = _gguf(gguf_dir, tokenizer_dir, types, Q4_K_M if types == "Q4_K_M" else types, tied=types == "Q4_1")
     packed = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=64, block_size=8, int8_activations=False)
     model = packed.llm_engine.worker.runner.model
@@ -182,6 +182,7 @@ def test_gguf_packed_greedy_equals_dequantized(types, gguf_dir, tokenizer_dir):
     assert _greedy(packed, prompts) == _greedy(reference, prompts)
     assert_no_leaks(packed)
     assert_no_leaks(reference)
+    kernel_level.assert_ran("quant_linear", "paged_decode_attention", "greedy_pick")
 
 
 def test_gguf_type_not_kept_packed_is_dequantized_with_a_warning(gguf_dir, tokenizer_dir, caplog):
@@ -230,10 +231,9 @@ def test_tensor_parallel_refuses_a_split_inside_a_block(gguf_dir, tokenizer_dir)
 # ----------------------------------------------------------------- load-time quantization (HF)
 
 
-def _dequantized_reference(folder: str, method: str, group_size: int, monkeypatch) -> LLM:
+def _dequantized_reference(folder: str, method: str, group_size: int) -> LLM:
     """A float engine whose decoder linears hold exactly the values the quantizer stores."""
-    with monkeypatch.context() as patch:
-        patch.setenv("PAGEDLLM_CPU_GEMM", "torch")  # plain float parameters to overwrite
+    with use_kernel_config(gemm="torch"):  # plain float parameters to overwrite
         llm = LLM(folder, dtype="float32", num_kv_blocks=64, block_size=8)
     quantizer = make_quantizer(method, group_size)
     with torch.no_grad():
@@ -244,7 +244,7 @@ def _dequantized_reference(folder: str, method: str, group_size: int, monkeypatc
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "int4-g32", "int4-g64"])
-def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quantization, monkeypatch):
+def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quantization):
     folder = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model_config(folder, quantization="dequantize")
@@ -258,7 +258,7 @@ def test_hf_load_time_quantization_equals_dequantized(tiny_model_factory, quanti
     float_bytes = sum(m.weight.shape.numel() * 4 for m in model.modules() if isinstance(m, PackableLinear))
     assert packed_bytes < float_bytes * (0.27 if quantization == "int8" else 0.16)
     method, _, group = quantization.partition("-g")
-    reference = _dequantized_reference(folder, method, int(group or 128), monkeypatch)
+    reference = _dequantized_reference(folder, method, int(group or 128))
     vocab = model.config.vocab_size
     assert _greedy(llm, _prompts(vocab)) == _greedy(reference, _prompts(vocab))
     assert_no_leaks(llm)

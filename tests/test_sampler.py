@@ -381,13 +381,10 @@ def test_top_k_top_p_candidate_path_equals_full_sort(ks: list[int], ps: list[flo
     assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
 
 
-def test_greedy_kernel_matches_torch() -> None:
+def test_greedy_kernel_matches_torch(kernel_level) -> None:
     """The fused CPU greedy choice: torch.argmax's ids (first of ties) and log_softmax's values."""
-    from pagedllm.kernels import cpu_kernels
     from pagedllm.kernels.attention import greedy_pick
 
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 5001, generator=gen) * 4
     logits[3, [10, 20]] = 100.0  # a tie: the first index wins, as in torch.argmax
@@ -399,15 +396,13 @@ def test_greedy_kernel_matches_torch() -> None:
     expected = torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
     assert greedy_pick(logits.double()) is None  # other dtypes take the torch path
+    kernel_level.assert_ran("greedy_pick")
 
 
-def test_greedy_kernel_reads_bfloat16_logits() -> None:
+def test_greedy_kernel_reads_bfloat16_logits(kernel_level) -> None:
     """bfloat16 logits, read as they are: the ids and logprobs of the same values widened to float32."""
-    from pagedllm.kernels import cpu_kernels
     from pagedllm.kernels.attention import greedy_pick
 
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 3001, generator=gen) * 4).bfloat16()
     logits[2, [7, 2999]] = 50.0  # a tie, the second one in the tail past the last 16-wide chunk
@@ -418,6 +413,7 @@ def test_greedy_kernel_reads_bfloat16_logits() -> None:
     assert logprobs.dtype == torch.float32
     expected = torch.log_softmax(wide, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
+    kernel_level.assert_ran("greedy_pick")
 
 
 def test_sampler_takes_bfloat16_logits() -> None:
