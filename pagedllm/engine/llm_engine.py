@@ -22,6 +22,7 @@ from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
 from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_request, parse_prompt
 from pagedllm.engine.stop_checker import check_stop
+from pagedllm.kernels.report import kernel_summary
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.sampling import SamplingRow
 from pagedllm.sampling_params import SamplingParams
@@ -116,6 +117,10 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         device = resolve_device(args.device)
+        if device.type == "cpu":
+            # A forced kernel level this CPU cannot run is refused here, before any weight loads,
+            # with what the CPU lacks.
+            logger.info("%s", kernel_summary())
         model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.quantization)
         model_config.int8_activations = args.int8_activations
         if args.tokenizer:

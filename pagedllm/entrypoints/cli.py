@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -87,6 +88,14 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_env(args: argparse.Namespace) -> int:
+    from pagedllm.kernels.report import format_report, kernel_report
+
+    report = kernel_report()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["level"] is not None else 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -108,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    env = sub.add_parser("env", help="the CPU, the kernel level in use and why, each kernel's branch, torch and oneDNN")
+    env.add_argument("--json", action="store_true", help="as JSON, for scripts")
+    env.set_defaults(func=run_env)
     from pagedllm.entrypoints.simulate_cli import add_simulate_parser
 
     add_simulate_parser(sub)
