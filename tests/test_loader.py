@@ -126,8 +126,7 @@ def test_dtype_and_max_model_len(tiny_llama, monkeypatch) -> None:
             cfg["dtype"] = cfg["torch_dtype"] = config_dtype
             json.dump(cfg, open(config_path, "w"))
             assert load_model_config(folder).dtype == expected, (native, config_dtype)
-    monkeypatch.setenv("PAGEDLLM_CPU_BF16", "0")
-    assert not cpu_has_fast_bf16()  # the suite's own setting: "auto" stays float32 on any CPU
+    assert not cpu_has_fast_bf16()  # the suite's own setting (PAGEDLLM_CPU_BF16=0): "auto" stays float32 on any CPU
     assert load_model_config(folder, dtype="bf16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_model_config(folder, dtype="int8")

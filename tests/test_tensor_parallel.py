@@ -22,6 +22,7 @@ from test_engine import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import get_tp_world_size, override_tp_state
+from pagedllm.kernels import use_kernel_config
 from pagedllm.models.loader import build_model, load_model_config
 
 # A lost collective fails the test in seconds instead of the default two minutes.
@@ -79,11 +80,8 @@ def tp1_llama(llama_dir):
 
 def _shards(model_dir: str, world_size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     # Plain parameters to compare: the oneDNN path would keep only reordered copies.
-    os.environ["PAGEDLLM_CPU_GEMM"] = "torch"
-    try:
+    with use_kernel_config(gemm="torch"):
         return _build_shards(model_dir, world_size)
-    finally:
-        del os.environ["PAGEDLLM_CPU_GEMM"]
 
 
 def _build_shards(model_dir: str, world_size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:

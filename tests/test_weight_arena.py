@@ -9,7 +9,7 @@ from gguf_models import write_tiny_llama_gguf
 from test_layer_stack import MIXED, _build, _step_logits
 from test_models import TINY
 
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import panels_supported
 from pagedllm.models.weight_arena import _weight_slots
@@ -42,11 +42,11 @@ def test_weights_move_into_one_arena_and_compute_the_same(kind, tmp_path, monkey
     assert len(_storages(model)) == 1
     moved = _step_logits(model, model_config)
 
-    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
-    if kind == "panels":
-        model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
-    else:
-        model_config, model = _gguf_model(path)
+    with use_kernel_config(huge_pages=False):
+        if kind == "panels":
+            model_config, model = _build(tmp_path, TINY["llama-gqa"], "float32")
+        else:
+            model_config, model = _gguf_model(path)
     assert len(_storages(model)) > 1
     for a, b in zip(moved, _step_logits(model, model_config), strict=True):
         assert torch.equal(a, b)
