@@ -1,8 +1,12 @@
 """pagedllm: LLM inference and serving on a paged KV cache (PagedAttention)."""
 
-from pagedllm.config import EngineArgs
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import CompletionOutput, RequestOutput
+from pagedllm.kernels.isa import cap_torch_to_forced_level
+
+cap_torch_to_forced_level()  # before anything imports torch
+
+from pagedllm.config import EngineArgs  # noqa: E402
+from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.sequence import CompletionOutput, RequestOutput  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -40,6 +40,37 @@ _ADDED_FLAGS = {
 }
 
 
+# torch's own CPU kernels and oneDNN's at the same level (their variables ATEN_CPU_CAPABILITY and
+# ONEDNN_MAX_CPU_ISA), so that a forced level runs as a CPU of that kind would.
+_TORCH_CAPS = {
+    "scalar": ("default", "SSE41"),
+    "avx2": ("avx2", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE"),
+    "avx512_bf16": ("avx512", "AVX512_CORE_BF16"),
+    "amx": ("avx512", "AVX512_CORE_AMX"),
+}
+
+
+def torch_caps(level: str) -> dict[str, str]:
+    """The environment that holds torch's and oneDNN's kernels at ``level`` (read by torch when it
+    loads and by oneDNN at its first use, so it only acts before either)."""
+    aten, onednn = _TORCH_CAPS[level]
+    return {"ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn}
+
+
+def cap_torch_to_forced_level(env: dict[str, str] | None = None) -> None:
+    """Where ``PAGEDLLM_CPU_ISA`` forces a level before torch is imported, hold torch's and oneDNN's
+    kernels at it too (variables already set win)."""
+    import os
+    import sys
+
+    env = os.environ if env is None else env
+    level = env.get("PAGEDLLM_CPU_ISA", "auto").strip().lower()
+    if level in _TORCH_CAPS and "torch" not in sys.modules and is_x86():
+        for name, value in torch_caps(level).items():
+            env.setdefault(name, value)
+
+
 def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
