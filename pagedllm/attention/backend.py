@@ -44,6 +44,7 @@ from pagedllm.kernels.attention import (
     prompt_attention_amx_supported,
 )
 from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL  # a CPU attention plan's kernels
+from pagedllm.kernels.invariance import batch_invariant
 
 # On CPUs, prompt chunks of at least this many tokens after a cached context attend through torch's
 # SDPA over their gathered context rather than our chunked kernel (which stays for decodes and
@@ -129,6 +130,29 @@ class AttentionMetadata:
             rest = tuple(i for i in range(self.num_seqs) if i not in chosen)
             split = self._sdpa_splits[window] = (sdpa, rest)
         return split
+
+    @cached_property
+    def per_row(self) -> AttentionMetadata:
+        """Every query row as a one-token sequence of its own, attending over its sequence's context
+        up to and including itself: a prompt chunk's rows become decodes at their positions. The
+        batch-invariant CPU path attends every row this way, so that a row's result is the same
+        whichever step, batch or chunk it is computed in."""
+        counts = torch.tensor(self.query_lens, dtype=torch.long, device=self.context_lens.device)
+        owner = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
+        starts = torch.tensor(self.query_start_loc[:-1], dtype=torch.long, device=counts.device)
+        cached = torch.tensor(self.num_cached_tokens, dtype=torch.long, device=counts.device)
+        total = self.query_start_loc[-1]
+        within = torch.arange(total, device=counts.device) - starts[owner]
+        lens = cached[owner] + within + 1
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            query_lens=[1] * total,
+            query_start_loc=list(range(total + 1)),
+            context_lens=lens,
+            block_tables=self.block_tables[owner],
+            num_cached_tokens=(lens - 1).tolist(),
+            max_context_len=self.max_context_len,
+        )
 
     def sub_batch(self, index: tuple[int, ...]) -> AttentionMetadata:
         """Sequences ``index`` as a batch of their own; ``decode_rows`` holds their rows in this batch."""
@@ -282,7 +306,10 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """Decodes and prompt chunks in one batch (each chunk after its cached context)."""
         if self.use_cpu_kernel and query.device.type == "cpu":
-            out = self._attend_mixed_cpu(query, key, value, kv_cache, meta)
+            if batch_invariant() and cpu_kernels() is not None:  # each row as a decode (meta.per_row)
+                out = self._decode(query, kv_cache, meta.per_row)
+            else:
+                out = self._attend_mixed_cpu(query, key, value, kv_cache, meta)
             if out is not None:
                 return out
         out = torch.empty_like(query)

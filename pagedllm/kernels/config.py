@@ -19,6 +19,9 @@ variable                                field
                                         run on AMX (0: never)
 ``PAGEDLLM_CPU_BF16=0``                 ``cpu_bf16=False``: ``dtype="auto"`` keeps float32
 ``PAGEDLLM_HUGE_PAGES=0``               ``huge_pages=False``: weights and KV pool in torch's pages
+``PAGEDLLM_BATCH_INVARIANT=0``          ``batch_invariant=False``: kernels chosen by the step's
+                                        row counts (faster long prompts; a sequence's logits then
+                                        depend on the rest of its batch, see kernels/invariance.py)
 ======================================  ===========================================================
 
 This module never imports torch.
@@ -49,6 +52,7 @@ class KernelConfig:
     int8_amx_min_rows: int = 32
     cpu_bf16: bool = True
     huge_pages: bool = True
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.isa != "auto" and self.isa not in LEVELS:
@@ -79,6 +83,7 @@ class KernelConfig:
             int8_amx_min_rows=int(rows),
             cpu_bf16=env.get("PAGEDLLM_CPU_BF16", "1") != "0",
             huge_pages=env.get("PAGEDLLM_HUGE_PAGES", "1") != "0",
+            batch_invariant=env.get("PAGEDLLM_BATCH_INVARIANT", "1") != "0",
         )
 
     def to_env(self) -> dict[str, str]:
@@ -92,6 +97,7 @@ class KernelConfig:
             "PAGEDLLM_INT8_AMX_MIN_ROWS": str(self.int8_amx_min_rows),
             "PAGEDLLM_CPU_BF16": "1" if self.cpu_bf16 else "0",
             "PAGEDLLM_HUGE_PAGES": "1" if self.huge_pages else "0",
+            "PAGEDLLM_BATCH_INVARIANT": "1" if self.batch_invariant else "0",
         }
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_kernels, isa_at_least, kernel_config
+from pagedllm.kernels.invariance import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,9 @@ def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu" or choice == "torch" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if choice in ("auto", "panels") and panels_supported(dtype):
-        # bfloat16 without AMX multiplies through vdpbf16ps, slower than oneDNN past a few rows
-        if choice == "panels" or dtype == torch.float32 or isa_at_least("amx"):
+        # bfloat16 without AMX multiplies through vdpbf16ps, slower than oneDNN past a few rows; but
+        # oneDNN's product of a row depends on how many rows come with it (kernels/invariance.py)
+        if choice == "panels" or dtype == torch.float32 or isa_at_least("amx") or batch_invariant():
             return "panels"
     return "onednn" if onednn_supported(dtype) else None
 

@@ -31,11 +31,12 @@ from pagedllm.kernels.codes import (
     PANEL,
     QUANT_BLOCKS,
 )
+from pagedllm.kernels.invariance import batch_invariant, int8_amx_min_rows
 from pagedllm.models.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.models.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.models.layers import RMSNorm
 from pagedllm.quantization.int8_tiles import Int8TiledTensor
-from pagedllm.quantization.kernels import SMALL_M, cpu_kernels_serve
+from pagedllm.quantization.kernels import cpu_kernels_serve, small_m
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ class LayerStack:
             return None
         if meta.is_all_decode:
             parts = [(DECODE_KERNEL, meta)]
+        elif batch_invariant():  # as the Python layers attend: every row as a decode at its position
+            parts = [(DECODE_KERNEL, meta.per_row)]
         elif self.planner is None:
             return None
         else:
@@ -120,7 +123,7 @@ class LayerStack:
         return self._module.run_layer_stack(
             hidden, tensors, self.linear_specs, self.linear_tensors, self.windows, cos.squeeze(1), sin.squeeze(1),
             meta.slot_mapping, kernels, rows, part_tensors, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, self.activation, SMALL_M, kernel_config().int8_amx_min_rows, self.eps, self.scale,
+            self.intermediate_size, self.activation, small_m(), int8_amx_min_rows(), self.eps, self.scale,
         )
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.kernels import cpu_kernels, kernel_config
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.invariance import int8_amx_min_rows
 from pagedllm.quantization.formats import Format
 
 
@@ -50,7 +51,7 @@ class Int8TiledTensor:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
         y = cpu_kernels().int8_linear(x32, self.data, self.fmt.id, self.rows, self.in_features, bias,
-                                         kernel_config().int8_amx_min_rows)
+                                      int8_amx_min_rows())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_kernels, kernel_config
+from pagedllm.kernels.invariance import batch_invariant
 from pagedllm.quantization.formats import Format, dequantize
 
 # Up to this many activation rows the float C++ kernel decodes weight tiles per step in L1; beyond it,
 # it decodes panels of rows once and hands them to at::mm (prefill).
 SMALL_M = 48
+
+
+def small_m() -> int:
+    """quant_linear's row threshold: SMALL_M, or -1 under batch invariance (one summation order at
+    every row count, see kernels/invariance.py)."""
+    return -1 if batch_invariant() else SMALL_M
+
 # Rows of a weight dequantized at once by the reference path (bounds its temporary memory).
 _REFERENCE_PANEL_ELEMENTS = 1 << 22
 
@@ -42,7 +50,7 @@ def packed_linear(x: torch.Tensor, data: torch.Tensor, fmt: Format, in_features:
     module = _cpu_module(x, in_features)
     if module is not None:
         x32 = x if x.dtype == torch.float32 else x.float()
-        y = module.quant_linear(x32, data, fmt.id, in_features, bias, SMALL_M)
+        y = module.quant_linear(x32, data, fmt.id, in_features, bias, small_m())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     rows = data.shape[0]
     panel = max(1, _REFERENCE_PANEL_ELEMENTS // max(1, in_features))

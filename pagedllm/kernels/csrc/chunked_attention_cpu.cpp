@@ -70,8 +70,11 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
       const int64_t lanes = rows * group;
       const int64_t padded = (lanes + LG - 1) / LG * LG;
       const int64_t length = item.first_pos + rows;  // keys seen by the tile's last row
-      // The first key any row of the tile sees: its first row's window start.
-      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, item.first_pos - sliding_window + 1) : 0;
+      // The first key any row of the tile sees (its first row's window start), rounded down to a
+      // multiple of KC: a row's keys then fall into the same chunks whichever tile it is in, so its
+      // result does not depend on how its prompt was split into chunks.
+      const int64_t first_key =
+          sliding_window > 0 ? std::max<int64_t>(0, item.first_pos - sliding_window + 1) / KC * KC : 0;
       const int64_t* table = block_tables + item.seq * max_blocks;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t r = 0; r < rows; ++r) {

@@ -37,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(at::Tensor logits);
 void apply_token_bitmask_cpu(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows);
 at::Tensor dequantize_rows(at::Tensor qweight, int64_t format, int64_t k, c10::optional<at::Tensor> rows);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t format, int64_t k,
-                           c10::optional<at::Tensor> bias, int64_t small_m);
+                           c10::optional<at::Tensor> bias, int64_t small_m);  // small_m < 0: one order for any rows
 std::string int8_dot_isa();
 bool int8_tiling_supported(int64_t format);
 at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k);

@@ -50,7 +50,8 @@ struct Linear {
   bool gated() const { return segments.size() == 1 && segments[0].kind == kGatedPanel; }
 };
 
-// Row counts at which the quantized kernels change method (quant_linear's small_m, int8_linear's amx_min_rows).
+// Row counts at which the quantized kernels change method (quant_linear's small_m, int8_linear's
+// amx_min_rows; small_m < 0 and amx_min_rows 0: one method at every row count).
 struct RowThresholds {
   int64_t small_m, int8_amx;
 };

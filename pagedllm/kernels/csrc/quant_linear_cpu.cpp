@@ -164,6 +164,14 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t format, int64_
     TORCH_CHECK(bias_c.numel() == n, "bias must have ", n, " elements");
   }
   const float* bias_p = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
+  // small_m < 0: every row count through gemm_small_m, whose per-row sums (one accumulator per
+  // activation row and weight row, inputs in order) do not depend on how many rows there are;
+  // the kernels below differ from it and from each other in summation order.
+  if (small_m < 0) {
+    auto y = at::empty({m, n}, x2.options());
+    if (m > 0) gemm_small_m(x2.data_ptr<float>(), m, qweight.data_ptr<uint8_t>(), n, k, format, bias_p, y.data_ptr<float>());
+    return y.view(shape);
+  }
   if (m <= 4) {
     auto y = at::empty({m, n}, x2.options());
     const float* xp = x2.data_ptr<float>();

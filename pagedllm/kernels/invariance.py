@@ -1,0 +1,35 @@
+"""Batch invariance: a sequence's logits do not depend on the other rows of its step, on how its
+prompt was split into chunks, nor on prefix-cache hits (``kernel_config().batch_invariant``, on by
+default; vLLM's ``VLLM_BATCH_INVARIANT``). Greedy and seeded requests then give the same answer
+alone and under any load.
+
+Each CPU kernel whose arithmetic depended on the step's row counts computes every row one way:
+
+- Attention: every query row, a decode or a prompt token, goes through the decode kernel as a
+  one-token query over its own context (``AttentionMetadata.per_row``): one softmax over that
+  row's keys in one order. Mixed steps used to send decodes through the chunked kernel (another
+  summation order) and prompt chunks to torch's SDPA or the AMX tile kernel by chunk length.
+- Packed quantized weights with float activations (``quant_linear``): one per-row summation order
+  at every row count, where 1-4 rows, 5-48 rows and more each took a kernel of their own.
+- int8 activations: no switch to AMX bfloat16 products from ``int8_amx_min_rows`` rows on.
+- bfloat16 weights: our panel kernel wherever this level has it, rather than oneDNN (whose
+  products of one row differ from the same row among others for some shapes).
+
+The panel kernels (float32 and bfloat16), int8 dot products, norms, rotary and greedy choice
+already compute each row independently of the others. What it costs is measured by
+benchmarks/batch_invariance.py; ``batch_invariant=False`` (``PAGEDLLM_BATCH_INVARIANT=0``) restores
+the per-batch choices.
+"""
+
+from __future__ import annotations
+
+from pagedllm.kernels.config import kernel_config
+
+
+def batch_invariant() -> bool:
+    return kernel_config().batch_invariant
+
+
+def int8_amx_min_rows() -> int:
+    """Rows from which int8-tiled products run on AMX in bfloat16 (0: never)."""
+    return 0 if batch_invariant() else kernel_config().int8_amx_min_rows
