@@ -35,6 +35,16 @@ def make_requests(num: int, input_range: tuple[int, int], output_range: tuple[in
     ]
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The default workload's settings (benchmarks that run it import these)."""
+    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2-135M)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def run_pagedllm(llm: LLM, requests) -> tuple[float, int]:
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in requests]
@@ -114,12 +124,7 @@ def profile_run(llm: LLM, requests) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2-135M)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[64], help="empty list skips transformers")
     parser.add_argument("--kv-cache-memory", default="2GiB")

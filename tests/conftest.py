@@ -124,6 +124,16 @@ def kernel_level(request):
         yield level
 
 
+@pytest.fixture
+def without_batch_invariance():
+    """The kernels chosen by the step's row counts (SDPA, AMX prompt tiles, the chunked kernel for a
+    mixed step's decodes): the paths batch invariance turns off, tested here as they still run."""
+    from pagedllm.kernels import use_kernel_config
+
+    with use_kernel_config(batch_invariant=False):
+        yield
+
+
 # For server test modules whose ``server`` fixture yields test_server.serving(...)'s namespace.
 @pytest.fixture(scope="module")
 def client(server):

@@ -8,7 +8,7 @@ import torch
 from kernel_levels import at_path, kernel_paths
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx, prompt_attention_amx_supported
 
 AMX_HERE = prompt_attention_amx_supported(
@@ -139,19 +139,27 @@ def test_decode_matches_reference(path, head_dim, dtype):
 
 
 @pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("path", kernel_paths())
-def test_mixed_batch_matches_reference(path, head_dim):
-    """Decodes and prompt chunks in one batch: the torch path (gathering) and the C++ kernel
-    (reading blocks in place, at every level) against attention computed token by token."""
-    with at_path(path) as level:
+def test_mixed_batch_matches_reference(path, head_dim, invariant):
+    """Decodes and prompt chunks in one batch: the torch path (gathering) and the C++ kernels
+    (reading blocks in place, at every level: every row as a decode under batch invariance, the
+    chunked kernel without it) against attention computed token by token."""
+    with at_path(path) as level, use_kernel_config(batch_invariant=invariant):
         for seed in range(8):
             _run(seed, "mixed", use_cpu_kernel=path != "torch", head_dim=head_dim)
         if level is not None:
-            level.assert_ran("paged_chunked_attention")
+            _assert_mixed_kernel_ran(level, invariant)
+
+
+def _assert_mixed_kernel_ran(level, invariant: bool) -> None:
+    level.assert_ran("paged_decode_attention" if invariant else "paged_chunked_attention")
+    if invariant:
+        level.assert_not_ran("paged_chunked_attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype):
+def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype, without_batch_invariance):
     """Every multi-token chunk after a cached context routed to torch's SDPA over its gathered
     context (the CPU path does this from SDPA_MIN_CHUNK tokens on), decodes still through the kernel."""
     import pagedllm.attention.backend as backend
@@ -164,7 +172,7 @@ def test_mixed_batch_chunks_after_context_through_sdpa(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window):
+def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window, without_batch_invariance):
     """bfloat16 prompts and chunks reach torch's CPU SDPA padded to a multiple of its block (its
     tails are slow), and the padding changes nothing: padded keys unseen, padded queries dropped."""
     import pagedllm.attention.backend as backend
@@ -186,7 +194,7 @@ def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window):
 
 @pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
 @pytest.mark.parametrize("window", [None, 40])
-def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window):
+def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window, without_batch_invariance):
     """Mixed batches in bfloat16 with every prompt chunk on the AMX kernel (a window at least
     their span leaves them there), decodes on the chunked kernel, against the token-by-token
     reference; with a pair budget of 60, larger chunks go to SDPA in the same batches."""
@@ -249,16 +257,17 @@ def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, h
 
 
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("path", kernel_paths())
-def test_mixed_batch_with_window_and_soft_cap(path, window, soft_cap):
+def test_mixed_batch_with_window_and_soft_cap(path, window, soft_cap, invariant):
     """Mixed batches through a sliding window (blocks before it released) and soft-capped scores."""
-    with at_path(path) as level:
+    with at_path(path) as level, use_kernel_config(batch_invariant=invariant):
         for seed in range(8):
             for head_dim in (8, 64):
                 _run(seed, "mixed", use_cpu_kernel=path != "torch", head_dim=head_dim, window=window,
                      soft_cap=soft_cap)
         if level is not None:
-            level.assert_ran("paged_chunked_attention")
+            _assert_mixed_kernel_ran(level, invariant)
 
 
 def test_cpu_kernel_builds_here():

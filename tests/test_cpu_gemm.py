@@ -111,15 +111,20 @@ def test_gated_panels_equal_the_unfused_layers(dtype: torch.dtype, in_features: 
 
 def test_gemm_path_choice(kernel_level) -> None:
     """Which path ``auto`` takes follows the level: panels for float32 from AVX-512 on, for
-    bfloat16 with AMX only (oneDNN beats vdpbf16ps past a few rows); oneDNN below."""
+    bfloat16 with AMX only when batch invariance is off (oneDNN beats vdpbf16ps past a few rows);
+    oneDNN below."""
     cpu = torch.device("cpu")
     assert not cpu_gemm_enabled(torch.device("meta"), torch.float32)
     assert not cpu_gemm_enabled(cpu, torch.float16)
     fallback = "onednn" if ONEDNN else None
     assert cpu_gemm_path(cpu, torch.float32) == ("panels" if kernel_level.has("dense_gemm_f32") else fallback)
     bf16_fallback = "onednn" if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-    bf16_auto = "panels" if kernel_level.has("dense_gemm_bf16_amx") else bf16_fallback
-    assert cpu_gemm_path(cpu, torch.bfloat16) == bf16_auto
+    # Under batch invariance (the default) bfloat16 takes the panels wherever they exist: oneDNN's
+    # product of a row can depend on how many rows come with it.
+    assert cpu_gemm_path(cpu, torch.bfloat16) == ("panels" if kernel_level.has("dense_gemm_bf16") else bf16_fallback)
+    with use_kernel_config(batch_invariant=False):
+        bf16_auto = "panels" if kernel_level.has("dense_gemm_bf16_amx") else bf16_fallback
+        assert cpu_gemm_path(cpu, torch.bfloat16) == bf16_auto
     if kernel_level.has("dense_gemm_bf16"):
         with use_kernel_config(gemm="panels"):
             assert cpu_gemm_path(cpu, torch.bfloat16) == "panels"

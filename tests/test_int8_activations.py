@@ -73,15 +73,19 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
         expected = torch.nn.functional.linear(_int8_blocks(x), weight, bias)
         got = tiled.linear(x, bias)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    # A prompt's rows on AMX: the product of the weight and activations rounded to bfloat16.
+    # Without batch invariance, a prompt's rows on AMX: the product of the weight and activations
+    # rounded to bfloat16 (with it, int8 at every row count).
     amx = cpu_kernels().decoded_gemm_supported(512)
-    for rows in (AMX_MIN_ROWS, 3 * AMX_MIN_ROWS // 2 + 5):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        bias = torch.randn(37)
-        on_amx = amx and rows >= AMX_MIN_ROWS
-        operands = (x.bfloat16().float(), weight.bfloat16().float()) if on_amx else (_int8_blocks(x), weight)
-        expected = torch.nn.functional.linear(*operands, bias)
-        torch.testing.assert_close(tiled.linear(x, bias), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    for invariant in (True, False):
+        for rows in (AMX_MIN_ROWS, 3 * AMX_MIN_ROWS // 2 + 5):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            bias = torch.randn(37)
+            on_amx = amx and rows >= AMX_MIN_ROWS and not invariant
+            operands = (x.bfloat16().float(), weight.bfloat16().float()) if on_amx else (_int8_blocks(x), weight)
+            expected = torch.nn.functional.linear(*operands, bias)
+            with use_kernel_config(batch_invariant=invariant):
+                got = tiled.linear(x, bias)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     ids = torch.tensor([[36, 0], [16, 15]])
     torch.testing.assert_close(tiled.take_rows(ids), weight[ids], rtol=0, atol=0)
     kernel_level.assert_ran("int8_linear_dot")

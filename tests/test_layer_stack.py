@@ -8,7 +8,7 @@ import torch
 from gguf_models import write_tiny_llama_gguf
 from test_models import TINY, PagedBatch, make_caches
 
-from pagedllm.kernels import cpu_kernels, use_kernel_config
+from pagedllm.kernels import cpu_kernels, kernel_config, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx_supported
 from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL, FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS
 from pagedllm.models import build_model, load_model_config
@@ -99,6 +99,8 @@ def test_layer_stack_equals_the_python_layers(name, dtype, tmp_path, monkeypatch
             pytest.skip(f"no packed {dtype} GEMM at the {kernel_level.level} level (the stack needs it)")
     with use_kernel_config(gemm="panels"):
         _check_stack_equals_the_python_layers(name, config, dtype, tmp_path / "panels", monkeypatch)
+        with use_kernel_config(batch_invariant=False):
+            _check_stack_equals_the_python_layers(name, config, dtype, tmp_path / "variant", monkeypatch)
     kernel_level.assert_ran("paged_decode_attention", "paged_chunked_attention", "fused_ops",
                             "dense_gemm_f32" if dtype == "float32" else "dense_gemm_bf16")
 
@@ -107,13 +109,17 @@ def _check_stack_equals_the_python_layers(name, config, dtype, tmp_path, monkeyp
     model_config, model = _build(tmp_path, config, dtype)
     runs = _count_stack_runs(monkeypatch)
     with_stack = _step_logits(model, model_config)
-    # Every decode step and the short chunk among decodes went through the C++ loop; with AMX, the
-    # bfloat16 70-token chunk beside decodes too, in two parts (a window narrower than the chunk
-    # sends it to the chunked kernel with the rest).
-    assert runs.count([DECODE_KERNEL]) == 4 and [CHUNKED_KERNEL] in runs
-    bf16 = torch.empty(1, model_config.head_dim, dtype=torch.bfloat16)
-    if dtype == "bfloat16" and name != "mistral-window" and prompt_attention_amx_supported(bf16, bf16):
-        assert [AMX_KERNEL, CHUNKED_KERNEL] in runs
+    if kernel_config().batch_invariant:
+        # Every step through the C++ loop, every row attended by the decode kernel.
+        assert runs == [[DECODE_KERNEL]] * len(STEPS)
+    else:
+        # Every decode step and the short chunk among decodes went through the C++ loop; with AMX,
+        # the bfloat16 70-token chunk beside decodes too, in two parts (a window narrower than the
+        # chunk sends it to the chunked kernel with the rest).
+        assert runs.count([DECODE_KERNEL]) == 4 and [CHUNKED_KERNEL] in runs
+        bf16 = torch.empty(1, model_config.head_dim, dtype=torch.bfloat16)
+        if dtype == "bfloat16" and name != "mistral-window" and prompt_attention_amx_supported(bf16, bf16):
+            assert [AMX_KERNEL, CHUNKED_KERNEL] in runs
     without = _without_stack(model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
@@ -139,7 +145,7 @@ def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkey
     model = build_model(model_config, "cpu")
     runs = _count_stack_runs(monkeypatch)
     with_stack = _step_logits(model, model_config)
-    assert runs.count([DECODE_KERNEL]) == 4 and [CHUNKED_KERNEL] in runs
+    assert runs == [[DECODE_KERNEL]] * len(STEPS)  # every step through the loop (batch invariance)
     layers = _segment_kinds(model.model._stack.linear_specs)
     packed = INT8_TILED if int8 is not False and int8_tiling_reason(torch.device("cpu")) is None else QUANT_BLOCKS
     if types == "mixed":  # q+k, v | o | gate, up | down (Q8_0 is tiled only where VNNI multiplies it)
@@ -150,6 +156,7 @@ def test_layer_stack_over_quantized_weights(types, dtype, int8, tmp_path, monkey
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
     kernel_level.assert_ran("paged_decode_attention", "int8_linear_dot" if packed == INT8_TILED else "quant_linear")
+    kernel_level.assert_not_ran("paged_chunked_attention")
 
 
 def _segment_kinds(specs: list[int]) -> list[list[list[int]]]:
@@ -171,9 +178,10 @@ def test_models_it_does_not_reproduce_keep_the_python_layers(tmp_path):
 
 
 def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
-    """From ``int8_amx_min_rows`` rows on, int8-tiled products run on AMX over bfloat16-decoded panels; the
-    loop takes the same threshold, so its logits still equal the Python layers' bit for bit. The
-    threshold is lowered to 4 so that this batch's decode steps take that path."""
+    """Without batch invariance, from ``int8_amx_min_rows`` rows on, int8-tiled products run on AMX
+    over bfloat16-decoded panels; the loop takes the same threshold, so its logits still equal the
+    Python layers' bit for bit. The threshold is lowered to 4 so that this batch's decode steps take
+    that path."""
     if int8_tiling_reason(torch.device("cpu")) is not None:
         pytest.skip(int8_tiling_reason(torch.device("cpu")))
     path = write_tiny_llama_gguf(str(tmp_path / "model.gguf"), "Q4_1", 211)
@@ -183,12 +191,11 @@ def test_layer_stack_int8_products_on_amx(tmp_path, monkeypatch):
         pytest.skip("no AMX here")
     model = build_model(model_config, "cpu")
     on_dot_products = _step_logits(model, model_config)
-    monkeypatch.setattr("pagedllm.quantization.int8_tiles.AMX_MIN_ROWS", 4)
-    monkeypatch.setattr("pagedllm.models.layer_stack.AMX_MIN_ROWS", 4)
     runs = _count_stack_runs(monkeypatch)
-    with_stack = _step_logits(model, model_config)
-    assert runs.count([DECODE_KERNEL]) == 4
-    assert not torch.equal(with_stack[1], on_dot_products[1])  # a decode step took the other path
-    without = _without_stack(model, model_config)
+    with use_kernel_config(int8_amx_min_rows=4, batch_invariant=False):  # invariance keeps int8 at any rows
+        with_stack = _step_logits(model, model_config)
+        assert runs.count([DECODE_KERNEL]) == 4
+        assert not torch.equal(with_stack[1], on_dot_products[1])  # a decode step took the other path
+        without = _without_stack(model, model_config)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)

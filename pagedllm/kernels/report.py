@@ -13,7 +13,15 @@ from typing import Any
 
 from pagedllm.kernels.config import kernel_config
 from pagedllm.kernels.dispatch import active_isa, module_for
-from pagedllm.kernels.isa import LEVELS, best_level, cpu_features, cpu_model, missing_features, required_features
+from pagedllm.kernels.isa import (
+    LEVELS,
+    best_level,
+    cpu_features,
+    cpu_model,
+    is_x86,
+    missing_features,
+    required_features,
+)
 
 # The features worth naming in a report (the ones some level needs).
 _LEVEL_FEATURES = tuple(dict.fromkeys(f for level in LEVELS for f in required_features(level)))
@@ -52,7 +60,7 @@ def kernel_report() -> dict[str, Any]:
             "model": cpu_model(),
             "machine": platform.machine(),
             "features": [f for f in _LEVEL_FEATURES if f in features],
-            "lacks": [f for f in _LEVEL_FEATURES if f not in features],
+            "lacks": [f for f in _LEVEL_FEATURES if f not in features] if is_x86() else [],
             "best_level": best_level(),
         },
         "level": level,

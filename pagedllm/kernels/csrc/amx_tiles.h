@@ -1,5 +1,5 @@
-// AMX tile set-up shared by the CPU kernels that multiply on tiles (built with -march=native on a
-// CPU with AMX-BF16; elsewhere this header declares nothing).
+// AMX tile set-up shared by the CPU kernels that multiply on tiles (the amx level's build, with
+// -mamx-bf16; the other levels' builds see nothing of this header).
 #pragma once
 
 #if defined(__AMX_BF16__)

@@ -1,5 +1,6 @@
 // The branch each kernel compiled to, from the same macros that select it in the kernel's own file.
 #include "branches.h"
+#include "kernels.h"
 
 namespace {
 
@@ -55,19 +56,6 @@ const char* quant_linear_branch() {
 #endif
 }
 
-// quant_int8_cpu.cpp's dot4().
-const char* int8_dot_branch() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return "avx512_vnni";
-#elif defined(__AVX2__) && defined(__AVXVNNI__)
-  return "avx_vnni";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "none";
-#endif
-}
-
 // fused_ops_cpu.cpp: explicit 16-wide loops, bfloat16 narrowed in one instruction or emulated.
 const char* fused_ops_branch() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -83,6 +71,7 @@ const char* fused_ops_branch() {
 
 std::map<std::string, std::pair<std::string, int64_t>> kernel_branches() {
   using pagedllm::Kernel;
+  const std::string int8_dot = int8_dot_isa();
   const auto entry = [](const char* branch, Kernel k) {
     return std::make_pair(std::string(branch), pagedllm::run_counter(k).load(std::memory_order_relaxed));
   };
@@ -95,7 +84,8 @@ std::map<std::string, std::pair<std::string, int64_t>> kernel_branches() {
       {"dense_gemm_bf16", entry(dense_bf16_branch(), Kernel::kDenseGemmBf16)},
       {"dense_gemm_bf16_amx", entry(amx_branch(), Kernel::kDenseGemmBf16Amx)},
       {"quant_linear", entry(quant_linear_branch(), Kernel::kQuantLinear)},
-      {"int8_linear_dot", entry(int8_dot_branch(), Kernel::kInt8Dot)},
+      // quant_int8_cpu.cpp's dot4(), as int8_dot_isa() names it ("portable": the build has none).
+      {"int8_linear_dot", entry(int8_dot == "portable" ? "none" : int8_dot.c_str(), Kernel::kInt8Dot)},
       {"int8_linear_amx", entry(amx_branch(), Kernel::kInt8Amx)},
       {"fused_ops", entry(fused_ops_branch(), Kernel::kFusedOps)},
       {"greedy_pick", entry(avx512_or_scalar(), Kernel::kGreedy)},

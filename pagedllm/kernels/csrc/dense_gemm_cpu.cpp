@@ -75,7 +75,9 @@ constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kL2PrefetchRows = 256;
 
 // The prefetches ahead of w, in a panel of rows of row_bytes (128: 32 float32 or 32 bfloat16 pairs);
-// the L2 one only where FAR.
+// the L2 one only where FAR. Only the AVX-512 micro-kernels below call it, and _mm_prefetch is x86's
+// (immintrin.h, from vec_math.h there): the builds below AVX-512, aarch64's scalar one too, go without.
+#if defined(__AVX512F__)
 template <bool FAR>
 inline void prefetch_panel(const void* w, int64_t row_bytes) {
   const char* p = static_cast<const char*>(w);
@@ -86,6 +88,7 @@ inline void prefetch_panel(const void* w, int64_t row_bytes) {
     _mm_prefetch(p + kL2PrefetchRows * row_bytes + 64, _MM_HINT_T1);
   }
 }
+#endif
 
 // In a decode-sized product, the register tiles of a block of rows take a panel kChunkInputs
 // inputs at a time, each tile's sums carried from chunk to chunk in a buffer: every tile then reads
