@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_no_leaks
-from test_engine import NUM_NEW_TOKENS, _prompts, hf_greedy
+from oracle import hf_greedy
+from test_engine import NUM_NEW_TOKENS, _prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sequence import SequenceStatus

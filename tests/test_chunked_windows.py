@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_no_leaks
-from test_engine import hf_greedy
+from oracle import hf_greedy
 from test_model_families import WINDOW, family_dir  # noqa: F401 (a fixture)
 
 from pagedllm import LLM, SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from conftest import assert_no_leaks
+from oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
@@ -17,26 +17,6 @@ def _prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [1, 3, 7, 16, 17, 30, 45, 64][:count]
     return [[rng.randrange(4, vocab_size) for _ in range(length)] for length in lengths]
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # Like ignore_eos: EOS is an ordinary token (min_new_tokens would instead forbid it).
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=3,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +31,8 @@ def test_greedy_equals_transformers(tiny_model_factory, kind):
     prompts = _prompts(llm.llm_engine.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    expected = hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
+    expected = hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)  # checked not degenerate (oracle.py)
     assert ours == expected
-    # A reference that repeats one token proves little: the tiny models must vary.
-    assert all(len(set(ids)) > 3 for ids in expected)
     assert_no_leaks(llm)
 
 

@@ -7,7 +7,8 @@ import functools
 
 import pytest
 from conftest import assert_no_leaks
-from test_engine import NUM_NEW_TOKENS, _prompts, hf_greedy
+from oracle import hf_greedy
+from test_engine import NUM_NEW_TOKENS, _prompts
 
 from pagedllm import LLM, SamplingParams
 
@@ -24,8 +25,7 @@ def test_greedy_equals_transformers_at_every_level(tiny_model_factory, kind, ker
     vocab = llm.llm_engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(_prompts(vocab), params, use_tqdm=False)]
-    expected = _reference(model_dir, vocab)
-    assert all(len(set(ids)) > 3 for ids in expected)  # a reference repeating one token proves little
+    expected = _reference(model_dir, vocab)  # hf_greedy checked it is not degenerate
     assert ours == expected
     assert_no_leaks(llm)
     kernel_level.assert_ran("paged_decode_attention", "fused_ops", "greedy_pick")

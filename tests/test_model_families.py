@@ -39,8 +39,11 @@ def family_config(name: str):
         "mixtral": lambda: t.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                            **common),
         "gemma": lambda: t.GemmaConfig(head_dim=16, **common),
+        # Untied: Gemma scales the embedding by sqrt(hidden), and with these tiny random layers a tied head
+        # maps each token back to itself: greedy repeats one token, a degenerate oracle (oracle.py).
         "gemma2": lambda: t.Gemma2Config(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common),
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                         tie_word_embeddings=False, **common),
         "gemma3": lambda: t.Gemma3TextConfig(
             head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=16,
@@ -170,7 +173,7 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path) -> 
 def test_sliding_window_generation_past_the_window(family_dir, name: str) -> None:
     """Greedy generation far past the window equals transformers, and the blocks before the
     window go back to the pool as the sequences move on."""
-    from test_engine import hf_greedy
+    from oracle import hf_greedy
 
     folder = family_dir(name)
     llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64)
@@ -212,7 +215,7 @@ def test_beam_search_equals_transformers(family_dir, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])
 def test_tensor_parallel_greedy(family_dir, name: str) -> None:
-    from test_engine import hf_greedy
+    from oracle import hf_greedy
     from test_tensor_parallel import _children_alive, _engine_kwargs, _greedy, _prompts
 
     folder = family_dir(name)

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from conftest import assert_no_leaks
-from test_engine import hf_greedy
+from oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import get_tp_world_size, override_tp_state

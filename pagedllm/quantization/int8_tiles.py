@@ -10,14 +10,15 @@ unpacked weight. Quantizing activations changes results slightly: the greedy out
 token-for-token the dequantized model's (``benchmarks/int8_activations.py`` measures perplexity
 and greedy agreement); ``int8_activations=False`` keeps the exact float-activation kernels.
 
-From ``kernel_config().int8_amx_min_rows`` rows of activations on (``PAGEDLLM_INT8_AMX_MIN_ROWS``,
-default 32; on a 2-core AMX machine the tiles led the dot products from 16-32 rows on for the
-default model's shapes, and by 2-3x from 64) (a prompt, a large decode batch), on a CPU with AMX,
-the kernel decodes each 16-row panel of the tiling to bfloat16 once per call and multiplies it with
-the activations rounded to bfloat16 on AMX tiles instead: with that many rows per weight the
-product is bound by arithmetic, and AMX's tiles do it several times faster than integer dot
-products do. bfloat16 keeps 8 bits of every activation where int8 blocks keep 7 of the block's
-largest, so this is no less exact.
+With batch invariance off (``kernels/invariance.py``), from ``int8_amx_min_rows`` rows of
+activations on (``PAGEDLLM_INT8_AMX_MIN_ROWS``, default 32: a prompt, a large decode batch), on a
+CPU with AMX, the kernel decodes each 16-row panel of the tiling to bfloat16 once per call and
+multiplies it with the activations rounded to bfloat16 on AMX tiles instead: with that many rows per
+weight the product is bound by arithmetic, and AMX's tiles do it several times faster than integer
+dot products do (on a 2-core AMX machine they led from 16-32 rows on for the default model's
+shapes, and by 2-3x from 64). bfloat16 keeps 8 bits of every activation where int8 blocks keep 7
+of the block's largest, so this is no less exact; but which a row gets then depends on its step's
+row count, so batch invariance keeps int8 at every row count.
 """
 
 from __future__ import annotations
