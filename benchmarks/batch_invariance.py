@@ -44,8 +44,11 @@ def main() -> None:
     engines = {}
     for invariant in (True, False):
         with use_kernel_config(batch_invariant=invariant):
+            # No prefix cache: every repeat computes its prompts again (a repeat would otherwise hit
+            # the blocks of the one before and time decodes only).
             engines[invariant] = LLM(model=resolve_model_path(args.model), dtype=args.dtype,
-                                     kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+                                     kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                                     enable_prefix_caching=False)
     vocab = engines[True].llm_engine.vocab_size
     requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
