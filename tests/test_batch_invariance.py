@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import assert_no_leaks
 
 from pagedllm import LLM, SamplingParams
@@ -92,3 +93,47 @@ def test_mixed_steps_attend_every_row_as_a_decode(tiny_model_factory, invariant,
         _answers(llm, _others(1, vocab, seed=1)[0] + [4] * 40, _others(5, vocab, seed=2), at=2)
     kernel_level.assert_ran("paged_decode_attention")
     assert (kernel_level.runs("paged_chunked_attention") == 0) == invariant
+
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 16, 33, 49, 64, 100)
+
+
+def _linears(kernel_level) -> dict[str, object]:
+    """Every product a linear layer can take at this level, as f(x) for float32 x [rows, 512]."""
+    from test_quantized import _packed
+
+    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight
+    from pagedllm.quantization.int8_tiles import tile_for_int8
+    from pagedllm.quantization.kernels import packed_linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(100, 512)
+    products = {}
+    if kernel_level.has("dense_gemm_f32"):
+        panels = PanelWeight(weight)
+        products["panels float32"] = lambda x: panels.linear(x, None)
+    if kernel_level.has("dense_gemm_bf16"):
+        panels_bf16 = PanelWeight(weight.bfloat16())
+        products["panels bfloat16"] = lambda x: panels_bf16.linear(x.bfloat16(), None)
+    if torch.backends.mkldnn.is_available():
+        onednn = OneDNNWeight(weight)
+        products["oneDNN float32 (K=512)"] = lambda x: onednn.linear(x, None)
+    for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        packed = _packed(name, 100, 512, seed=1)
+        products[f"{name} float activations"] = (
+            lambda x, p=packed: packed_linear(x, p.data, p.fmt, 512, None))
+        tiled = tile_for_int8(packed.data, packed.fmt, 512) if kernel_level.has("int8_linear_dot") else None
+        if tiled is not None:
+            products[f"{name} int8 activations"] = lambda x, t=tiled: t.linear(x, None)
+    return products
+
+
+def test_linear_rows_do_not_depend_on_their_batch(kernel_level):
+    """Each row of every linear product at each level: the same bits alone, in any batch size, at
+    any position (the panel kernels, int8 dot products, packed blocks with float activations)."""
+    x = torch.randn(max(ROW_COUNTS), 512, generator=torch.Generator().manual_seed(5))
+    for name, product in _linears(kernel_level).items():
+        full = product(x)
+        for rows in ROW_COUNTS:
+            assert torch.equal(product(x[:rows]), full[:rows]), f"{name} at {kernel_level.level}: {rows} rows"
+        assert torch.equal(product(x[37:38]), full[37:38]), name

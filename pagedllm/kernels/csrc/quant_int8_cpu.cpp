@@ -301,6 +301,34 @@ inline vec16 load_half16(const uint16_t* p) {
 #endif
 }
 
+// a * b + c, each lane rounded once, as an explicit fused multiply-add. Written as plain vector
+// arithmetic under -ffast-math, the compiler contracted and reassociated panel_kernel's
+// accumulation differently in its instances for 1, 2, 4 and 8 activation rows (the AVX2 build did),
+// so a row's result depended on how many rows shared its step.
+inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
+#if defined(__AVX512F__)
+  __m512 av, bv, cv;
+  std::memcpy(&av, &a, 64);
+  std::memcpy(&bv, &b, 64);
+  std::memcpy(&cv, &c, 64);
+  const __m512 r = _mm512_fmadd_ps(av, bv, cv);
+  vec16 out;
+  std::memcpy(&out, &r, 64);
+  return out;
+#elif defined(__FMA__)
+  __m256 av[2], bv[2], cv[2];
+  std::memcpy(av, &a, 64);
+  std::memcpy(bv, &b, 64);
+  std::memcpy(cv, &c, 64);
+  const __m256 r[2] = {_mm256_fmadd_ps(av[0], bv[0], cv[0]), _mm256_fmadd_ps(av[1], bv[1], cv[1])};
+  vec16 out;
+  std::memcpy(&out, r, 64);
+  return out;
+#else
+  return a * b + c;  // the scalar build has no int8 dot product: its callers never run there
+#endif
+}
+
 // Quantized activations: xq [M, K] int8, dx [M, K/32] scales, sums [M, K/flush] = dx * sum(xq).
 struct Activations {
   const int8_t* q;
@@ -362,7 +390,7 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
     for (int m = 0; m < MR; ++m) {
       const float dx = a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock];
       const float sx = a.sums[(m0 + m) * a.sums_per_row + f];
-      acc[m] += __builtin_convertvector(iacc[m], vec16) * (sc * dx) + mn * sx;
+      acc[m] = fma16(mn, vec16{} + sx, fma16(__builtin_convertvector(iacc[m], vec16), sc * dx, acc[m]));
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = acc[m];
