@@ -16,7 +16,11 @@ Each CPU kernel whose arithmetic depended on the step's row counts computes ever
   products of one row differ from the same row among others for some shapes).
 
 The panel kernels (float32 and bfloat16), int8 dot products, norms, rotary and greedy choice
-already compute each row independently of the others. What it costs is measured by
+compute each row independently of the others (tests/test_batch_invariance.py checks every linear
+product's rows alone and in batches at every level). Not covered: float32 weights below the
+AVX-512 levels, which only oneDNN multiplies there (one row of a 576 x 1536 product differed from
+the same row among others), torch's F.linear (``gemm="torch"``), the torch attention path a CPU
+takes without the kernels, and GPUs. What it costs is measured by
 benchmarks/batch_invariance.py; ``batch_invariant=False`` (``PAGEDLLM_BATCH_INVARIANT=0``) restores
 the per-batch choices.
 """
