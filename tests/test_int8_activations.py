@@ -128,14 +128,16 @@ def test_int8_activations_refused_off_cpu():
 
 def test_default_model_accuracy_with_int8_activations():
     """The issue's bars on the default model, on a shorter run than the benchmark's: perplexity
-    within 1% of float activations, teacher-forced greedy agreement >= 95%. Every product on int8
-    activations: the prompts that score the text would otherwise run on AMX in bfloat16 here."""
+    within 1% of float activations, teacher-forced greedy agreement >= 95% over the benchmark's 16
+    prompts (384 positions: with 8, one position was half a percent and the bar hung on one token).
+    Every product on int8 activations: the prompts that score the text would otherwise run on AMX in
+    bfloat16 where batch invariance is off."""
     spec = importlib.util.spec_from_file_location("int8_activations_bench",
                                                   os.path.join(ROOT, "benchmarks", "int8_activations.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     with use_kernel_config(int8_amx_min_rows=0):
-        result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS[:8], text_tokens=1024)
+        result = bench.measure(None, new_tokens=24, window=512, prompts=bench.PROMPTS, text_tokens=1024)
     assert result["perplexity_ratio"] <= 1.01, result
     assert result["agreement_teacher_forced"] >= 0.95, result
     assert np.isfinite(result["perplexity_float"])

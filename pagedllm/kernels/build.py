@@ -2,8 +2,8 @@
 
 Each level's build is a Python module of its own, ``pagedllm_kernels_<level>_<digest>``: the same
 sources compiled with that level's flags (kernels/isa.py) and ``-DPAGEDLLM_ISA=<level>``. The
-digest covers the sources, the flags and torch's version, so a change to any of them builds anew
-and two checkouts never share a stale build; the CPU that compiled a build does not enter it (a
+digest covers the sources, their folder, the flags and torch's version, so a change to any of them
+builds anew and two checkouts never share a build; the CPU that compiled a build does not enter it (a
 level's build runs on every CPU with the level's features). torch caches builds under
 ``TORCH_EXTENSIONS_DIR``. A build takes about a minute on two cores; ``scripts/install.sh`` builds
 the levels this CPU runs ahead of time, and a level first used later is built then.
@@ -67,6 +67,9 @@ def build_name(level: str) -> str:
             digest.update(f.read())
     digest.update(" ".join(cflags(level)).encode())
     digest.update(torch.__version__.encode())
+    # torch's build files name the sources by path: two checkouts sharing a name would rebuild it
+    # in turn, each time the other one loads.
+    digest.update(_CSRC.encode())
     return f"pagedllm_kernels_{level}_{digest.hexdigest()[:12]}"
 
 
