@@ -9,6 +9,11 @@ import torch
 from pagedllm.kernels.dispatch import cpu_kernels
 
 
+def _module_for(tensor: torch.Tensor):
+    """The kernels' module when ``tensor`` is on the CPU and they are built, else None."""
+    return cpu_kernels() if tensor.device.type == "cpu" else None
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -23,9 +28,7 @@ def paged_decode_attention(
 
     ``sliding_window`` > 0: only each sequence's last that many positions are attended;
     ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax."""
-    if query.device.type != "cpu":
-        return None
-    module = cpu_kernels()
+    module = _module_for(query)
     if module is None:
         return None
     return module.paged_decode_attention(
@@ -48,9 +51,7 @@ def paged_chunked_attention(
     itself (the step's K/V already written), or None when the kernel cannot serve this call.
 
     ``sliding_window`` and ``logits_soft_cap`` as in ``paged_decode_attention`` (0: off)."""
-    if query.device.type != "cpu":
-        return None
-    module = cpu_kernels()
+    module = _module_for(query)
     if module is None:
         return None
     return module.paged_chunked_attention(

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from pagedllm.kernels.build import build_level
 from pagedllm.kernels.codes import check_codes
-from pagedllm.kernels.config import kernel_config
+from pagedllm.kernels.config import KernelConfig, kernel_config
 from pagedllm.kernels.isa import level_index, resolve_level
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,22 @@ def module_for(level: str, verbose: bool = False) -> ModuleType | None:
         return module
 
 
+# The module cpu_kernels() last answered, and the settings it answered for: every kernel call asks,
+# and resolving the level anew (the CPU's features against each level's) cost ~7 us a call.
+_answered: tuple[KernelConfig, ModuleType | None] | None = None
+
+
 def cpu_kernels() -> ModuleType | None:
     """The kernels' module for the active level, or None: turned off (``cpu_kernels=False``), or
     not buildable here (``unavailable_reason`` says why)."""
-    if not kernel_config().cpu_kernels:
-        return None
-    return module_for(active_isa())
+    global _answered
+    config = kernel_config()
+    answered = _answered
+    if answered is not None and answered[0] is config:
+        return answered[1]
+    module = module_for(resolve_level(config.isa)) if config.cpu_kernels else None
+    _answered = (config, module)
+    return module
 
 
 def unavailable_reason() -> str | None:
