@@ -20,6 +20,17 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+# vLLM's names; "fp8" is "fp8_e4m3". Formats are described in attention/kv_quant.py.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """The format a ``kv_cache_dtype`` setting names ("fp8" -> "fp8_e4m3"), or a ValueError."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}.")
+    return "fp8_e4m3" if name == "fp8" else name
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """The KV block pool.
@@ -34,6 +45,8 @@ class CacheConfig:
     swap_space: int = 0  # bytes of CPU memory for swapped-out blocks (used by preemption by swap)
     num_cpu_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # "auto" (the model dtype) or a quantized format (attention/kv_quant.py): "fp8" / "fp8_e4m3",
+    # "fp8_e5m2", "int8", "int4".
     kv_cache_dtype: str = "auto"
     # The window every attention layer stays within: blocks wholly before it are released as a
     # sequence grows (None: some layer attends to everything).
@@ -48,6 +61,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}.")
+        self.kv_cache_dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
 
 
 KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
@@ -165,6 +179,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
     swap_space: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -185,5 +200,6 @@ class EngineArgs:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        canonical_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")

@@ -20,6 +20,11 @@ and values, or over the gathered context).
 Elsewhere, or when the kernels are unavailable, the torch-native path (the reference) gathers
 the blocks into a temporary tensor for that step only. Nothing contiguous is kept between steps.
 
+A quantized cache (``kv_cache_dtype``, attention/kv_quant.py) is read the same ways: the C++
+kernels dequantize each row in registers as they read it, the torch path dequantizes the step's
+gathered temporary. A prompt's own keys and values are then read back from the cache too, so every
+token attends over the same quantized states whichever path serves it.
+
 A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p only; the
 block manager may then have released blocks wholly before every layer's window, and their
 table entries point at block 0: such positions are never read by the kernels and are masked out
@@ -36,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.kv_quant import cache_format, dequantize_rows, quantize_rows
 from pagedllm.kernels import cpu_kernels
 from pagedllm.kernels.attention import (
     paged_chunked_attention,
@@ -186,20 +192,34 @@ def write_to_cache(
 ) -> None:
     """Scatter this step's keys/values ([T, Hkv, D]) into their slots."""
     if key.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
-        kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)  # quantizes for a quantized cache
         return
-    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    fmt = cache_format(k_cache)
+    if fmt is not None:
+        key, value = quantize_rows(key, fmt).view(torch.uint8), quantize_rows(value, fmt).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    num_kv_heads, row = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value)
 
 
-def gather_from_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, length, Hkv, D] token states in logical order."""
+def gather_from_cache(
+    cache: torch.Tensor, block_tables: torch.Tensor, length: int, head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, length, Hkv, D] token states in logical order. A quantized
+    cache's rows are dequantized into ``dtype`` (``head_dim`` values each): the temporary holds this
+    step's context only."""
     batch = block_tables.shape[0]
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    gathered = cache[block_tables[:, :num_blocks]]  # [B, nb, bs, Hkv, D]
-    return gathered.view(batch, num_blocks * block_size, cache.shape[2], cache.shape[3])[:, :length]
+    quantized = cache_format(cache) is not None
+    source = cache.view(torch.uint8) if quantized else cache
+    gathered = source[block_tables[:, :num_blocks]]  # [B, nb, bs, Hkv, row]
+    rows = gathered.view(batch, num_blocks * block_size, cache.shape[2], cache.shape[3])[:, :length]
+    if not quantized:
+        return rows
+    return dequantize_rows(rows.view(cache.dtype), head_dim, dtype)
 
 
 class PagedAttention(nn.Module):
@@ -336,13 +356,13 @@ class PagedAttention(nn.Module):
         cache (the chunk's own keys are there already; released blocks read as block 0 and fall
         outside the window mask)."""
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if meta.num_cached_tokens[i] == 0:
+        if meta.num_cached_tokens[i] == 0 and cache_format(kv_cache[0]) is None:
             out[start:end] = self._causal(query, key, value, start, end)
             return
         total = meta.num_cached_tokens[i] + end - start
         table = meta.block_tables[i : i + 1]
-        k = gather_from_cache(kv_cache[0], table, total).transpose(1, 2)
-        v = gather_from_cache(kv_cache[1], table, total).transpose(1, 2)
+        k = gather_from_cache(kv_cache[0], table, total, self.head_dim, query.dtype).transpose(1, 2)
+        v = gather_from_cache(kv_cache[1], table, total, self.head_dim, query.dtype).transpose(1, 2)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         out[start:end] = self._attend_chunk(q, k, v, meta.num_cached_tokens[i])
 
@@ -438,8 +458,8 @@ class PagedAttention(nn.Module):
             if out is not None:
                 return out
         length = meta.max_context_len
-        k = gather_from_cache(kv_cache[0], meta.block_tables, length).transpose(1, 2)  # [B, Hkv, L, D]
-        v = gather_from_cache(kv_cache[1], meta.block_tables, length).transpose(1, 2)
+        k = gather_from_cache(kv_cache[0], meta.block_tables, length, self.head_dim, query.dtype).transpose(1, 2)
+        v = gather_from_cache(kv_cache[1], meta.block_tables, length, self.head_dim, query.dtype).transpose(1, 2)
         window = self.sliding_window or 0
         mask = meta.decode_masks.get(window)
         if mask is None:

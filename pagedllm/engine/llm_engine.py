@@ -138,6 +138,7 @@ class LLMEngine:
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             num_kv_blocks=args.num_kv_blocks,
+            kv_cache_dtype=args.kv_cache_dtype,
             swap_space=args.swap_space,
             enable_prefix_caching=args.enable_prefix_caching,
             sliding_window=model_config.sliding_window,

@@ -1,7 +1,9 @@
 """The KV block pools: device pool for attention, CPU pool for swapped-out blocks.
 
 All layers' K and V live in one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-head_dim]``; each layer sees two contiguous views ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+row]``; each layer sees two contiguous views ``[num_blocks, block_size, num_kv_heads, row]``. A row is
+one head's ``head_dim`` values in the model dtype, or with ``kv_cache_dtype`` set, its quantized
+values and their scales (attention/kv_quant.py; the pool's dtype names the format).
 Keeping the block axis shared by every layer lets one indexing operation copy (copy-on-write)
 or swap a list of blocks for all layers at once, which is what the paper's fused
 "copy many blocks in one launch" kernel does.
@@ -13,6 +15,7 @@ import logging
 
 import torch
 
+from pagedllm.attention.kv_quant import check_head_dim, kv_bytes_per_token, kv_format, kv_pool_row
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.huge_pages import huge_page_buffer, huge_pages_enabled
 
@@ -25,12 +28,14 @@ _GPU_MEMORY_UTILIZATION = 0.9
 
 
 def kv_block_bytes(
-    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one physical block takes across all layers, K and V (of this rank's KV heads under tensor parallelism)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    """Bytes one physical block takes across all layers, K and V, scales included (of this rank's KV
+    heads under tensor parallelism)."""
     heads = num_kv_heads or model_config.num_kv_heads
-    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * elem
+    fmt = kv_format(kv_cache_dtype)
+    return block_size * kv_bytes_per_token(fmt, model_config.head_dim, heads, model_config.num_layers, dtype)
 
 
 def available_host_memory() -> int:
@@ -59,7 +64,7 @@ def decide_num_gpu_blocks(
     """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads)
+    block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype)
     if cache_config.kv_cache_memory is not None:
         budget = cache_config.kv_cache_memory
     elif device.type == "cuda":
@@ -109,13 +114,24 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
         num_kv_heads = num_kv_heads or model_config.num_kv_heads
-        shape = (model_config.num_layers, 2, 0, self.block_size, num_kv_heads, model_config.head_dim)
+        self.kv_format = kv_format(cache_config.kv_cache_dtype)
+        check_head_dim(self.kv_format, model_config.head_dim)
+        row = kv_pool_row(self.kv_format, model_config.head_dim)
+        storage = dtype if self.kv_format is None else self.kv_format.storage
+        shape = (model_config.num_layers, 2, 0, self.block_size, num_kv_heads, row)
         gpu_shape = shape[:2] + (num_gpu_blocks,) + shape[3:]
         cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
-        self.gpu_pool = zeroed_kv_pool(gpu_shape, dtype, device)
+        self.gpu_pool = zeroed_kv_pool(gpu_shape, storage, device)
         pin = device.type == "cuda"
-        self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
+        self.cpu_pool = torch.zeros(cpu_shape, dtype=storage, pin_memory=pin) if num_cpu_blocks else None
         self.kv_caches = [(self.gpu_pool[layer, 0], self.gpu_pool[layer, 1]) for layer in range(shape[0])]
+        # Block moves are byte copies whatever the format (torch has no indexing kernels for float8 on
+        # every device); these views share the pools' memory.
+        self._gpu_bytes = self.gpu_pool.view(torch.uint8) if self.kv_format is not None else self.gpu_pool
+        self._cpu_bytes = (
+            self.cpu_pool.view(torch.uint8) if self.kv_format is not None and self.cpu_pool is not None
+            else self.cpu_pool
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) pair, all layers, K and V, in one indexing op."""
@@ -123,7 +139,7 @@ class CacheEngine:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.gpu_pool[:, :, dst] = self.gpu_pool[:, :, src]
+        self._gpu_bytes[:, :, dst] = self._gpu_bytes[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> CPU blocks, (gpu, cpu) pairs, batched over all layers."""
@@ -131,7 +147,7 @@ class CacheEngine:
             return
         src = torch.tensor([g for g, _ in pairs], device=self.device)
         dst = torch.tensor([c for _, c in pairs])
-        self.cpu_pool[:, :, dst] = self.gpu_pool[:, :, src].to("cpu")
+        self._cpu_bytes[:, :, dst] = self._gpu_bytes[:, :, src].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU blocks -> device blocks, (cpu, gpu) pairs, batched over all layers."""
@@ -139,4 +155,4 @@ class CacheEngine:
             return
         src = torch.tensor([c for c, _ in pairs])
         dst = torch.tensor([g for _, g in pairs], device=self.device)
-        self.gpu_pool[:, :, dst] = self.cpu_pool[:, :, src].to(self.device, non_blocking=True)
+        self._gpu_bytes[:, :, dst] = self._cpu_bytes[:, :, src].to(self.device, non_blocking=True)

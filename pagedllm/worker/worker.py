@@ -79,7 +79,9 @@ class Worker:
         num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, world_size)
         host_share = world_size if device.type == "cpu" else 1
         self.num_gpu_blocks = decide_num_gpu_blocks(model_config, cache_config, device, dtype, num_kv_heads, host_share)
-        block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads)
+        block_bytes = kv_block_bytes(
+            model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype
+        )
         if cache_config.num_cpu_blocks is not None:
             self.num_cpu_blocks = cache_config.num_cpu_blocks
         else:

@@ -1,0 +1,143 @@
+"""KV cache storage formats: the model dtype as it is, or 8 / 4 bits with their scales inside each row.
+
+A quantized pool keeps the layout of a float one, ``[num_blocks, block_size, num_kv_heads, row]``,
+where one row (one token, one KV head) holds the head's quantized values followed by the scales
+that decode them. Scales therefore live inside their block: copy-on-write, swapping, prefix caching
+and beam forks move them with the block, and the pool's bytes per block account for them.
+
+| format     | values                           | scales after the values               | row bytes (D = 64) |
+|------------|----------------------------------|---------------------------------------|--------------------|
+| int8       | D int8, round(x / s)             | float32 s = max|x| / 127              | 68                 |
+| fp8_e4m3   | D float8 e4m3 (x / s)            | float32 s = max|x| / 448              | 68                 |
+| fp8_e5m2   | D float8 e5m2 (x / s)            | float32 s = max|x| / 57344            | 68                 |
+| int4       | D / 2 bytes, q in 0..15          | per group of 32: float16 d, float16 m | 40                 |
+
+int4 is asymmetric per group of 32 values (x = d * q + m, llama.cpp's Q4_1 rule); a group's byte j
+holds value j in its low nibble and value j + 16 in its high one, as ggml's 4-bit blocks do, so
+that one 16-byte load gives 32 values by masking and shifting.
+
+The pool's torch dtype names its format (int8, float8_e4m3fn, float8_e5m2, uint8 for int4), so a
+kernel handed a cache knows how to read it. The functions here are the reference: the torch
+attention path (and CUDA) quantizes and dequantizes with them, and the CPU kernels quantize
+identically (the same float32 operations in the same order) and are tested against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import canonical_kv_cache_dtype
+
+INT4_GROUP = 32
+_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One quantized KV format: its name, the pool's dtype and how a value is bounded."""
+
+    name: str
+    storage: torch.dtype
+    bits: int
+    max_value: float  # the largest |x / scale| stored (int8, fp8); unused for int4
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one (token, KV head) row: values and scales."""
+        if self.bits == 4:
+            return head_dim // 2 + head_dim // INT4_GROUP * 2 * 2
+        return head_dim + _SCALE_BYTES
+
+
+FORMATS: dict[str, KVFormat] = {
+    "int8": KVFormat("int8", torch.int8, 8, 127.0),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 8, 448.0),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 8, 57344.0),
+    "int4": KVFormat("int4", torch.uint8, 4, 15.0),
+}
+_BY_STORAGE = {fmt.storage: fmt for fmt in FORMATS.values()}
+
+
+def kv_format(kv_cache_dtype: str) -> KVFormat | None:
+    """The format of a ``kv_cache_dtype`` setting (vLLM's names), None for "auto" (the model dtype)."""
+    name = canonical_kv_cache_dtype(kv_cache_dtype)
+    return None if name == "auto" else FORMATS[name]
+
+
+def cache_format(cache: torch.Tensor) -> KVFormat | None:
+    """The format a pool (or a view of it) holds, from its dtype; None for a float cache."""
+    return _BY_STORAGE.get(cache.dtype)
+
+
+def check_head_dim(fmt: KVFormat | None, head_dim: int) -> None:
+    if fmt is not None and fmt.bits == 4 and head_dim % INT4_GROUP:
+        raise ValueError(
+            f"kv_cache_dtype='int4' needs a head size that is a multiple of {INT4_GROUP}, this model's is "
+            f"{head_dim}; use 'int8' or 'fp8'."
+        )
+
+
+def kv_pool_row(fmt: KVFormat | None, head_dim: int) -> int:
+    """The last axis of a pool: head_dim for a float cache, the row bytes of a quantized one."""
+    return head_dim if fmt is None else fmt.row_bytes(head_dim)
+
+
+def kv_bytes_per_token(fmt: KVFormat | None, head_dim: int, num_kv_heads: int, num_layers: int,
+                       model_dtype: torch.dtype) -> int:
+    """K and V of one token over all layers."""
+    row = model_dtype.itemsize * head_dim if fmt is None else fmt.row_bytes(head_dim)
+    return 2 * num_layers * num_kv_heads * row
+
+
+def _reciprocal(value: float) -> torch.Tensor:
+    """1 / value rounded to float32: the kernels multiply by the same constant (a division by a
+    constant compiles to that product under -ffast-math, so both sides use the product)."""
+    return torch.tensor(1.0 / value, dtype=torch.float32)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero row has scale 0: its values quantize to 0 rather than to nan.
+    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+
+
+def quantize_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """[..., D] float states -> [..., row_bytes] rows of ``fmt`` (in its storage dtype)."""
+    x = x.float()
+    head_dim = x.shape[-1]
+    check_head_dim(fmt, head_dim)
+    if fmt.bits == 4:
+        groups = x.unflatten(-1, (head_dim // INT4_GROUP, INT4_GROUP))
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        # The float16 values stored are the ones quantized against, so decoding is exact to them.
+        m = low.clamp(-65504, 65504).half()
+        d = ((high - low) * _reciprocal(15.0)).clamp(max=65504).half()
+        q = ((groups - m.float()) * _inverse(d.float())).round().clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)
+        params = torch.cat([d, m], -1).view(torch.uint8)  # [..., G, 4]: d then m, little-endian halves
+        return torch.cat([packed.flatten(-2), params.flatten(-2)], -1)
+    scale = x.abs().amax(-1, keepdim=True) * _reciprocal(fmt.max_value)
+    scaled = (x * _inverse(scale)).clamp(-fmt.max_value, fmt.max_value)
+    values = scaled.round().to(torch.int8) if fmt.storage == torch.int8 else scaled.to(fmt.storage)
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], -1).view(fmt.storage)
+
+
+def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., row_bytes] rows of a quantized cache -> [..., head_dim] values in ``dtype``."""
+    fmt = cache_format(rows)
+    data = rows.view(torch.uint8)
+    if fmt.bits == 4:
+        groups = head_dim // INT4_GROUP
+        packed = data[..., : head_dim // 2].unflatten(-1, (groups, 16))
+        q = torch.cat([packed & 0xF, packed >> 4], -1).float()  # [..., G, 32]
+        params = data[..., head_dim // 2 :].contiguous().view(torch.float16).unflatten(-1, (groups, 2)).float()
+        values = q * params[..., 0:1] + params[..., 1:2]
+        return values.flatten(-2).to(dtype)
+    values = data[..., :head_dim].view(fmt.storage).float()
+    scale = data[..., head_dim:].contiguous().view(torch.float32)
+    return (values * scale).to(dtype)
+
+
+def roundtrip(x: torch.Tensor, fmt: KVFormat | None) -> torch.Tensor:
+    """``x`` as a cache of ``fmt`` gives it back (x itself for a float cache)."""
+    return x if fmt is None else dequantize_rows(quantize_rows(x, fmt), x.shape[-1], x.dtype)
