@@ -67,8 +67,10 @@ def real_trace(kind: str, num_requests: int, rate: float, seed: int, length_scal
 
 
 def make_real_engine(policy: str, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 1024,
-                     max_num_seqs: int = 64, model: str | None = None, num_threads: int | None = None):
-    """An LLMEngine (default model, float32) running one of the paper's policies, with waste tracking.
+                     max_num_seqs: int = 64, model: str | None = None, num_threads: int | None = None,
+                     kv_cache_dtype: str = "auto"):
+    """An LLMEngine (default model, float32) running one of the paper's policies, with waste tracking,
+    its KV cache stored as ``kv_cache_dtype`` (``num_kv_blocks`` blocks of that format).
 
     Warmed up with one short request (the first steps of a process pay one-off costs), after
     which the waste tracker and counters start from zero.
@@ -83,7 +85,7 @@ def make_real_engine(policy: str, num_kv_blocks: int, block_size: int = 16, max_
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model, num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, enable_prefix_caching=False, num_threads=num_threads, dtype="float32",
-        kv_allocation=kv_allocation, batching=batching, track_kv_waste=True,
+        kv_allocation=kv_allocation, batching=batching, track_kv_waste=True, kv_cache_dtype=kv_cache_dtype,
     ))
     engine.add_request("warm-up", {"prompt_token_ids": list(range(100, 132))},
                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

@@ -6,6 +6,15 @@ baseline users start from, in the same process; engines are interleaved over rep
 medians and their ratio are printed (this machine is shared and noisy).
 
     .venv/bin/python benchmarks/throughput.py --num-prompts 64 --input-len 16 256 --output-len 16 256
+
+``--kv-cache-dtype auto int8 ...`` runs one engine per KV cache dtype side by side at the same
+``--kv-cache-memory`` (interleaved over repeats, as the engines above) and reports per dtype the
+KV blocks the memory buys, the median output tok/s, the peak number of sequences running at once
+(sampled after every step), the preemptions, and each figure's ratio to auto. At a small
+``--kv-cache-memory`` the pool, not the step, limits the batch, and a denser cache buys concurrency:
+
+    .venv/bin/python benchmarks/throughput.py --dtype bfloat16 --kv-cache-dtype auto int8 fp8 \\
+        --num-prompts 128 --input-len 16 512 --output-len 64 512 --kv-cache-memory 96MiB --hf-batch-sizes
 """
 
 from __future__ import annotations
@@ -53,6 +62,77 @@ def run_pagedllm(llm: LLM, requests) -> tuple[float, int]:
     elapsed = time.perf_counter() - start
     assert llm.llm_engine.get_stats()["gpu_blocks_used"] == 0
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_pagedllm_stepped(llm: LLM, requests) -> dict[str, float]:
+    """``run_pagedllm`` driving the engine one step at a time (as ``LLM.generate`` does), to see how
+    many sequences the pool lets run at once: the running queue is sampled after every step."""
+    engine = llm.llm_engine
+    before = engine.get_stats()
+    start = time.perf_counter()
+    for ids, out in requests:
+        engine.add_request(engine.next_request_id(), {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+    produced = peak = running_sum = steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                produced += sum(len(c.token_ids) for c in output.outputs)
+        # One sequence per request here, so groups are sequences.
+        running = len(engine.scheduler.running)
+        peak = max(peak, running)
+        running_sum += running
+        steps += 1
+    elapsed = time.perf_counter() - start
+    after = engine.get_stats()
+    assert after["gpu_blocks_used"] == 0
+    return {
+        "elapsed": elapsed,
+        "produced": produced,
+        "tok_per_s": produced / elapsed,
+        "peak_running": peak,
+        "mean_running": running_sum / max(steps, 1),
+        "preemptions": after["num_preempted"] - before["num_preempted"],
+        "steps": steps,
+    }
+
+
+# The bars of a quantized KV cache against auto at the same memory: (output tok/s, peak running).
+KV_BARS = {"int8": (1.6, 1.9), "fp8": (1.6, 1.9), "fp8_e4m3": (1.6, 1.9), "fp8_e5m2": (1.6, 1.9)}
+
+
+def print_kv_table(kv_runs: dict[str, list[dict]], blocks: dict[str, int]) -> dict[str, dict]:
+    """Medians per KV dtype and their ratios to auto (or to the first dtype run without auto)."""
+    summary = {}
+    for name, runs in kv_runs.items():
+        summary[name] = {
+            "num_gpu_blocks": blocks[name],
+            "tok_per_s": statistics.median(r["tok_per_s"] for r in runs),
+            "peak_running": statistics.median(r["peak_running"] for r in runs),
+            "mean_running": statistics.median(r["mean_running"] for r in runs),
+            "preemptions": statistics.median(r["preemptions"] for r in runs),
+        }
+    ref_name = "auto" if "auto" in summary else next(iter(summary))
+    ref = summary[ref_name]
+    print(f"\nKV cache dtypes at the same KV memory (ratios to {ref_name}; medians over repeats):")
+    print("| KV dtype | KV blocks | output tok/s | peak running | mean running | preemptions "
+          "| tok/s ratio | blocks ratio | peak ratio | bar (tok/s, peak) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, row in summary.items():
+        row["tok_per_s_ratio"] = row["tok_per_s"] / ref["tok_per_s"]
+        row["blocks_ratio"] = row["num_gpu_blocks"] / ref["num_gpu_blocks"]
+        row["peak_ratio"] = row["peak_running"] / ref["peak_running"]
+        verdict = ""
+        if name in KV_BARS and ref_name == "auto":
+            min_speed, min_peak = KV_BARS[name]
+            row["pass"] = row["tok_per_s_ratio"] >= min_speed and row["peak_ratio"] >= min_peak
+            verdict = (f">= {min_speed}x, >= {min_peak}x: "
+                       f"{'pass' if row['tok_per_s_ratio'] >= min_speed else 'FAIL'}, "
+                       f"{'pass' if row['peak_ratio'] >= min_peak else 'FAIL'}")
+        print(f"| {name} | {row['num_gpu_blocks']} | {row['tok_per_s']:.1f} | {row['peak_running']:g} | "
+              f"{row['mean_running']:.1f} | {row['preemptions']:g} | {row['tok_per_s_ratio']:.2f}x | "
+              f"{row['blocks_ratio']:.2f}x | {row['peak_ratio']:.2f}x | {verdict} |")
+    return summary
 
 
 def comm_delta(before: dict, after: dict, elapsed: float) -> dict[str, float]:
@@ -128,6 +208,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[64], help="empty list skips transformers")
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="one engine per KV cache dtype (auto, int8, fp8, fp8_e5m2, int4), side by side")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -145,14 +227,22 @@ def main() -> None:
         llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.num_threads is not None:
         llm_kwargs["num_threads"] = args.num_threads
-    llm = LLM(**llm_kwargs)
+    kv_mode = args.kv_cache_dtype != ["auto"]
+    llms: dict[str, LLM] = {}
+    for kv_dtype in args.kv_cache_dtype:
+        llms[kv_dtype] = LLM(**llm_kwargs, **({"kv_cache_dtype": kv_dtype} if kv_mode else {}))
+    llm = llms[args.kv_cache_dtype[0]]
     vocab = llm.llm_engine.vocab_size
     requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     total_out = sum(out for _, out in requests)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {total_out} output tokens")
+    blocks = {name: engine_llm.llm_engine.num_gpu_blocks for name, engine_llm in llms.items()}
+    if kv_mode:
+        print("KV blocks at " + str(args.kv_cache_memory) + ": " + ", ".join(f"{k} {v}" for k, v in blocks.items()))
 
     # Warm-up: first calls pay for allocator growth and kernel selection.
-    run_pagedllm(llm, requests[:4])
+    for engine_llm in llms.values():
+        run_pagedllm(engine_llm, requests[:4])
     if args.profile:
         profile_run(llm, requests)
 
@@ -162,25 +252,43 @@ def main() -> None:
         pad_id = llm.get_tokenizer().pad_token_id or 0
         run_hf(hf_model, requests[:2], 2, pad_id)
 
-    results: dict[str, list[float]] = {"pagedllm": []}
+    def result_name(kv_dtype: str) -> str:
+        return f"pagedllm kv={kv_dtype}" if kv_mode else "pagedllm"
+
+    results: dict[str, list[float]] = {result_name(kv_dtype): [] for kv_dtype in args.kv_cache_dtype}
     for batch_size in args.hf_batch_sizes:
         results[f"transformers_bs{batch_size}"] = []
     comm_runs: list[dict[str, float]] = []
+    kv_runs: dict[str, list[dict]] = {kv_dtype: [] for kv_dtype in args.kv_cache_dtype}
     for repeat in range(args.repeats):
-        before = llm.llm_engine.get_stats()
-        elapsed, produced = run_pagedllm(llm, requests)
-        assert produced == total_out, (produced, total_out)
-        results["pagedllm"].append(produced / elapsed)
-        print(f"[{repeat}] pagedllm: {len(requests) / elapsed:.2f} req/s, {produced / elapsed:.1f} output tok/s")
-        if args.tensor_parallel_size > 1:
-            comm = comm_delta(before, llm.llm_engine.get_stats(), elapsed)
-            comm_runs.append(comm)
-            print(
-                f"    tensor parallel: {comm['comm_s']:.2f} s in collectives ({100 * comm['comm_share']:.0f}% of the"
-                f" run; all-reduce {comm['all_reduce_s']:.2f} s, gather {comm['gather_s']:.2f} s, broadcast"
-                f" {comm['broadcast_s']:.2f} s), {comm['comm_ms_per_step']:.2f} ms/step over {comm['steps']} steps,"
-                f" {comm['message_bytes_per_step']:.0f} B control message/step"
-            )
+        # Each repeat starts from another dtype, so no dtype always runs first (or last) in a round.
+        shift = repeat % len(args.kv_cache_dtype)
+        for kv_dtype in args.kv_cache_dtype[shift:] + args.kv_cache_dtype[:shift]:
+            engine_llm = llms[kv_dtype]
+            name = result_name(kv_dtype)
+            before = engine_llm.llm_engine.get_stats()
+            if kv_mode:
+                run = run_pagedllm_stepped(engine_llm, requests)
+                kv_runs[kv_dtype].append(run)
+                elapsed, produced = run["elapsed"], run["produced"]
+            else:
+                elapsed, produced = run_pagedllm(engine_llm, requests)
+            assert produced == total_out, (produced, total_out)
+            results[name].append(produced / elapsed)
+            line = f"[{repeat}] {name}: {len(requests) / elapsed:.2f} req/s, {produced / elapsed:.1f} output tok/s"
+            if kv_mode:
+                line += (f", peak {run['peak_running']} running (mean {run['mean_running']:.1f}),"
+                         f" {run['preemptions']} preemptions, {run['steps']} steps")
+            print(line)
+            if args.tensor_parallel_size > 1:
+                comm = comm_delta(before, engine_llm.llm_engine.get_stats(), elapsed)
+                comm_runs.append(comm)
+                print(
+                    f"    tensor parallel: {comm['comm_s']:.2f} s in collectives ({100 * comm['comm_share']:.0f}% of"
+                    f" the run; all-reduce {comm['all_reduce_s']:.2f} s, gather {comm['gather_s']:.2f} s, broadcast"
+                    f" {comm['broadcast_s']:.2f} s), {comm['comm_ms_per_step']:.2f} ms/step over {comm['steps']}"
+                    f" steps, {comm['message_bytes_per_step']:.0f} B control message/step"
+                )
         for batch_size in args.hf_batch_sizes:
             elapsed, useful = run_hf(hf_model, requests, batch_size, pad_id)
             results[f"transformers_bs{batch_size}"].append(useful / elapsed)
@@ -193,10 +301,16 @@ def main() -> None:
     hf_names = [name for name in medians if name.startswith("transformers")]
     if hf_names:
         best = max(hf_names, key=medians.get)
-        print(f"pagedllm / best transformers ({best}): {medians['pagedllm'] / medians[best]:.2f}x")
+        for kv_dtype in args.kv_cache_dtype:
+            name = result_name(kv_dtype)
+            print(f"{name} / best transformers ({best}): {medians[name] / medians[best]:.2f}x")
+    kv_summary = print_kv_table(kv_runs, blocks) if kv_mode else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tok_per_s": results, "median": medians, "tp_comm": comm_runs}, f, indent=2)
+            figures = {"args": vars(args), "tok_per_s": results, "median": medians, "tp_comm": comm_runs}
+            if kv_mode:
+                figures.update(kv_runs=kv_runs, kv_summary=kv_summary)
+            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":

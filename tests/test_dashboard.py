@@ -276,12 +276,41 @@ def test_hub_works_only_while_watched_and_coalesces():
     asyncio.run(main())
 
 
+class EngineBackedSource(CountingSource):
+    """Shaped as EngineSource: the engine (and its kv_cache_info) behind ``async_engine.engine``."""
+
+    def __init__(self, info: dict) -> None:
+        super().__init__()
+        self.async_engine = SimpleNamespace(engine=SimpleNamespace(kv_cache_info=info))
+
+
+def test_hub_adds_the_pool_format_and_size_to_each_state():
+    info = {"kv_cache_dtype": "int8", "kv_cache_storage": "int8", "kv_bytes_per_token": 160,
+            "kv_block_bytes": 160 * BS, "kv_gpu_pool_bytes": 160 * BS * 8, "kv_cpu_pool_bytes": 0,
+            "block_size": BS, "tensor_parallel_size": 1}
+    expected = {"dtype": "int8", "storage": "int8", "bytes_per_token": 160, "block_bytes": 160 * BS,
+                "pool_bytes": 160 * BS * 8, "cpu_pool_bytes": 0, "block_size": BS, "tensor_parallel_size": 1}
+
+    async def main() -> None:
+        state = await DashboardHub(EngineBackedSource(info)).state()
+        assert state["kv_cache"] == expected and state["blocks"]["total"] == 8
+        json.dumps(state)  # plain JSON, as the stream sends it
+        # Handed to the hub directly (a source without an engine, such as the simulator's).
+        assert (await DashboardHub(CountingSource(), kv_cache=info).state())["kv_cache"] == expected
+        # A source that does not know its pool's format: the page shows the block counts only.
+        assert "kv_cache" not in await DashboardHub(CountingSource()).state()
+
+    asyncio.run(main())
+
+
 def test_page_is_self_contained():
     page = render_page({"title": "t</script>x", "interval_s": 0.25})
     assert "/*__" not in page  # every placeholder filled
     assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
     assert page.count("</script>") == 2  # the title cannot close a script element
     assert "new EventSource" in page and "getContext('2d')" in page
+    for element in ("kv-dtype", "kv-bytes-per-token", "kv-gpu-blocks", "kv-cpu-blocks"):  # the pool's panel
+        assert f'id="{element}"' in page, element
 
 
 # ---------------------------------------------------------------------------------- the server
@@ -416,3 +445,6 @@ def test_state_endpoint_with_requests_in_flight(gated_server):
         [("running", 1, 3, 2), ("running", 1, 3, 2), ("running", 3, 5, 2)]
     assert state["waste"]["token"] > 0 and state["waste"]["external"] == 0
     assert state["counters"]["steps"] == 5
+    # The tiny Llama in float32: 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes a token.
+    assert state["kv_cache"]["dtype"] == "auto" and state["kv_cache"]["storage"] == "float32"
+    assert state["kv_cache"]["bytes_per_token"] == 512 and state["kv_cache"]["pool_bytes"] == 512 * BS * 64

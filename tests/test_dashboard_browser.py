@@ -97,6 +97,14 @@ def test_block_map_shows_the_pool_of_a_live_server(browser, gated_server, tmp_pa
     for name in ("used", "shared", "owned", "free", "cached", "swapped"):
         assert dom_count(browser, name) == expected[name], name
     assert dom_count(browser, "total") == 64
+    # The pool's panel: its KV dtype (float32 weights, "auto"), bytes a token, block counts.
+    kv_panel = browser.execute_script(
+        "return ['kv-dtype', 'kv-bytes-per-token', 'kv-gpu-blocks', 'kv-cpu-blocks'].map((id) => {"
+        "  const el = document.getElementById(id); return [el.textContent, el.dataset.value,"
+        "  el.closest('.item').hidden]; });")
+    assert kv_panel == [["auto (float32)", "auto", False], ["512", "512", False], ["64", "64", False],
+                        ["0", "0", False]], kv_panel
+    assert "auto (float32) KV" in browser.find_element("id", "pool-info").text
     assert browser.find_element("id", "status").text == "live"
     # Read in one go: the table is rebuilt on every update.
     cells = browser.execute_script(
@@ -161,6 +169,8 @@ def test_ten_thousand_blocks_keep_the_page_fast(browser, tmp_path):
         # One read of both: the simulation keeps rendering, and each render sets the two together.
         counts, summary = dash(browser, "[window.dashboard.counts, window.dashboard.snapshot.blocks]")
         assert counts["total"] == num_blocks
+        gpu_blocks = browser.find_element("id", "kv-gpu-blocks").get_attribute("data-value")
+        assert gpu_blocks == str(num_blocks)
         # The page's counts come from the cells it drew; the server's from the allocator.
         assert (counts["used"], counts["shared"], counts["free"], counts["cached"], counts["swapped"]) == \
             (summary["used"], summary["shared"], summary["free"], summary["cached"], summary["swapped"])

@@ -465,6 +465,18 @@ def test_metrics_names(http):
     assert metric(http, "prompt_tokens_total") > 0
 
 
+def test_metrics_cache_config_info(http):
+    text = http.get("/metrics").text
+    [labels] = re.findall(r"^pagedllm:cache_config_info\{([^}]*)\} 1\.0$", text, re.MULTILINE)
+    for label in ('cache_dtype="auto"', 'cache_storage_dtype="float32"', 'block_size="16"', 'num_gpu_blocks="160"',
+                  'num_cpu_blocks="0"', 'kv_bytes_per_token="512"', f'model_name="{MODEL}"'):
+        assert label in labels, (label, labels)
+    # float32 K and V of 2 layers x 2 KV heads x 16 dims.
+    assert metric(http, "kv_cache_bytes_per_token") == 2 * 2 * 2 * 16 * 4
+    assert metric(http, "num_gpu_blocks") == 160 and metric(http, "num_cpu_blocks") == 0
+    assert metric(http, "kv_cache_pool_bytes") == 160 * 16 * 512
+
+
 # ----------------------------------------------------------------------------- fuzzing: no 500s
 
 _ANY = st.one_of(

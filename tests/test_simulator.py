@@ -153,3 +153,104 @@ def test_simulate_cli(tmp_path, capsys) -> None:
     rows = json.loads(out.read_text())
     assert [row["policy"] for row in rows] == ["paged", "orca-max"] and all(row["simulated"] for row in rows)
     assert "SIMULATED" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ KV cache dtype
+
+
+def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None:
+    torch = pytest.importorskip("torch")
+    from pagedllm.attention import kv_quant
+    from pagedllm.simulator.model_shapes import kv_row_bytes
+
+    opt = get_model_shape("opt-13b")  # 40 layers x 40 KV heads, head_dim 128, fp16
+    per_row = {"auto": 256, "int8": 128 + 4, "fp8": 128 + 4, "fp8_e5m2": 128 + 4, "int4": 64 + 4 * 4}
+    for name, row in per_row.items():
+        shape = get_model_shape("opt-13b", name)
+        assert shape.kv_row_bytes == row
+        assert shape.kv_bytes_per_token == 2 * 40 * 40 * row
+    assert get_model_shape("opt-13b", "fp8").kv_cache_dtype == "fp8_e4m3"
+    assert opt.with_kv_cache_dtype("int8").kv_bytes_per_token == 422400  # 412.5 KiB instead of 800 KiB
+    # The simulator restates kv_quant's row layouts (it must not import torch): they must agree.
+    for name, fmt in kv_quant.FORMATS.items():
+        for head_dim in (32, 64, 96, 128, 256):
+            assert kv_row_bytes(name, head_dim, 2) == fmt.row_bytes(head_dim)
+    for name in ("auto", "int8", "int4"):  # the default model, float32 as the preset says
+        small = get_model_shape("smollm2-135m", name)
+        expected = kv_quant.kv_bytes_per_token(kv_quant.kv_format(name), 64, 3, 30, torch.float32)
+        assert small.kv_bytes_per_token == expected
+    odd = {"hidden_size": 480, "num_attention_heads": 10, "num_hidden_layers": 2, "vocab_size": 100}  # head_dim 48
+    assert shape_from_hf_config(odd, kv_cache_dtype="int8").kv_row_bytes == 52
+    with pytest.raises(ValueError, match="multiple of 32"):
+        shape_from_hf_config(odd, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        get_model_shape("opt-13b", "int3")
+
+
+def test_int8_kv_pool_holds_1_94x_the_blocks_of_fp16_in_the_same_memory() -> None:
+    hw = get_hardware("a100-40gb")
+    fp16, int8 = get_model_shape("opt-13b"), get_model_shape("opt-13b", "int8")
+    # The same bytes for KV either way: weights and activations stay fp16.
+    free = hw.mem_bytes * 0.9 - fp16.weight_bytes - fp16.activation_bytes(2560)
+    assert (int8.weight_bytes, int8.activation_bytes(2560)) == (fp16.weight_bytes, fp16.activation_bytes(2560))
+    blocks_fp16 = kv_pool_blocks(fp16, hw, 16, 2560)
+    blocks_int8 = kv_pool_blocks(int8, hw, 16, 2560)
+    assert blocks_fp16 == int(free // (16 * 819200))  # 961 with today's weight and activation estimates
+    assert blocks_int8 == int(free // (16 * 422400))  # 1865
+    assert blocks_int8 / blocks_fp16 == pytest.approx(256 / 132, rel=2e-3)  # 1.94x, less one floor
+
+
+def test_int8_kv_halves_the_decode_kv_read_time() -> None:
+    hw = get_hardware("a100-40gb")
+    fp16 = CostModel.from_hardware(get_model_shape("opt-13b"), hw)
+    int8 = CostModel.from_hardware(get_model_shape("opt-13b"), hw, kv_cache_dtype="int8")
+    assert int8.per_kv_token_read_s == pytest.approx(fp16.per_kv_token_read_s * 132 / 256, rel=1e-12)
+    assert int8.per_kv_token_read_s == pytest.approx(422400 / (hw.mem_bandwidth * 0.8), rel=1e-12)
+    assert int8.fixed_s == fp16.fixed_s  # the weights are streamed as before
+    assert "kv int8" in int8.source and "kv" not in fp16.source.split("(")[1]
+    # A memory-bound decode step of 64 sequences x 1000 tokens of context: only its KV reads shrink.
+    empty, step = StepFeatures(decode_seqs=64), StepFeatures(decode_seqs=64, kv_tokens_read=64_000)
+    kv_fp16 = fp16.step_time(step) - fp16.step_time(empty)
+    kv_int8 = int8.step_time(step) - int8.step_time(empty)
+    assert kv_fp16 == pytest.approx(64_000 * 819200 / (hw.mem_bandwidth * 0.8), rel=1e-9)
+    assert kv_int8 / kv_fp16 == pytest.approx(132 / 256, rel=1e-9)
+    assert int8.per_copy_token_s < fp16.per_copy_token_s and int8.per_swap_token_s < fp16.per_swap_token_s
+
+
+def test_int8_kv_sustains_sharegpt_where_fp16_saturates() -> None:
+    # OPT-13B on an A100-40GB at 3 req/s, ShareGPT-like: the paper's fp16 pool runs out (preemptions,
+    # latency climbing), the int8 pool in the same memory holds the batch.
+    hw = get_hardware("a100-40gb")
+    trace = synthetic_trace("sharegpt", 200, rate=3.0, seed=0)
+    results = {}
+    for kv in ("auto", "int8"):
+        shape = get_model_shape("opt-13b", kv)
+        config = SimConfig(num_gpu_blocks=kv_pool_blocks(shape, hw, 16, 2560), track_kv_waste=False)
+        results[kv] = simulate(trace, CostModel.from_hardware(shape, hw), config)
+    fp16, int8 = results["auto"], results["int8"]
+    assert fp16.num_requests == int8.num_requests == 200
+    assert fp16.num_preempted > 0 and int8.num_preempted < fp16.num_preempted
+    assert int8.normalized_latency_s < 0.8 * fp16.normalized_latency_s
+    assert int8.throughput_req_s > fp16.throughput_req_s
+    slo = 0.04  # s/token, between the two
+    assert sustained_rate([3.0], [fp16.normalized_latency_s], slo) == 0.0
+    assert sustained_rate([3.0], [int8.normalized_latency_s], slo) == 3.0
+
+
+def test_simulate_cli_kv_cache_dtype(tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.simulate_cli import add_simulate_parser
+
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "sim.json"
+    args = parser.parse_args(["simulate", "--trace", "alpaca", "--rate", "5", "--num-requests", "10",
+                              "--kv-cache-dtype", "int8", "--json", str(out)])
+    assert args.func(args) == 0
+    [row] = json.loads(out.read_text())
+    assert (row["kv_cache_dtype"], row["kv_bytes_per_token"]) == ("int8", 422400)
+    assert row["num_gpu_blocks"] == kv_pool_blocks(get_model_shape("opt-13b", "int8"), get_hardware("a100-40gb"),
+                                                   16, 2560)
+    printed = capsys.readouterr().out
+    assert "KV int8 (412.5 KiB/token)" in printed and f"{row['num_gpu_blocks']} KV blocks" in printed
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--kv-cache-dtype", "int3"])

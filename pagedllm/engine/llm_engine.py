@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.attention.kv_quant import kv_bytes_per_token, kv_format
 from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
 from pagedllm.detokenizer import detokenize_incrementally
@@ -24,6 +25,7 @@ from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_reques
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.kernels.report import kernel_summary
 from pagedllm.models.loader import load_model_config, load_tokenizer
+from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import SamplingRow
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import (
@@ -109,9 +111,16 @@ class LLMEngine:
             runner.step_timer = self.step_timer
         # Without a runner in this process (tensor parallelism) the whole execution counts as "forward".
         self._runner_timed = runner is not None
+        self.kv_cache_info = kv_cache_info(
+            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, tensor_parallel_size
+        )
+        info = self.kv_cache_info
         logger.info(
-            "KV pool: %d device blocks, %d CPU blocks of %d tokens", self.num_gpu_blocks, self.num_cpu_blocks,
-            cache_config.block_size,
+            "KV pool: %s, %d bytes/token%s (K and V, %d layers, scales included); %d device blocks, %d CPU blocks "
+            "of %d tokens; device pool %s, CPU pool %s",
+            kv_dtype_label(info), info["kv_bytes_per_token"], " per rank" if tensor_parallel_size > 1 else "",
+            model_config.num_layers, self.num_gpu_blocks, self.num_cpu_blocks, cache_config.block_size,
+            format_bytes(info["kv_gpu_pool_bytes"]), format_bytes(info["kv_cpu_pool_bytes"]),
         )
 
     @classmethod
@@ -471,6 +480,8 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.get_stats())
+        # The pool's format and size (kv_cache_dtype, bytes per token, block counts) never change.
+        stats.update(self.kv_cache_info)
         stats.update(
             num_gpu_blocks=self.num_gpu_blocks,
             num_cpu_blocks=self.num_cpu_blocks,
@@ -489,6 +500,50 @@ class LLMEngine:
         shutdown = getattr(self.worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def kv_cache_info(
+    model_config: ModelConfig, cache_config: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: int,
+    tensor_parallel_size: int = 1,
+) -> dict[str, Any]:
+    """What the KV pool stores and how big it is, for the start-up log, get_stats(), /metrics and the dashboard.
+
+    ``kv_cache_dtype`` is the setting ("auto" or a quantized format, canonical name);
+    ``kv_cache_storage`` what a value is stored as (the model dtype for "auto"). Bytes are this
+    rank's share under tensor parallelism (each rank holds its own KV heads).
+    """
+    fmt = kv_format(cache_config.kv_cache_dtype)
+    num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, tensor_parallel_size)
+    per_token = kv_bytes_per_token(
+        fmt, model_config.head_dim, num_kv_heads, model_config.num_layers, model_config.dtype
+    )
+    block_bytes = per_token * cache_config.block_size
+    return {
+        "kv_cache_dtype": cache_config.kv_cache_dtype,
+        "kv_cache_storage": str(model_config.dtype).removeprefix("torch.") if fmt is None else fmt.name,
+        "kv_bytes_per_token": per_token,
+        "kv_block_bytes": block_bytes,
+        "kv_gpu_pool_bytes": block_bytes * num_gpu_blocks,
+        "kv_cpu_pool_bytes": block_bytes * num_cpu_blocks,
+        "block_size": cache_config.block_size,
+        "tensor_parallel_size": tensor_parallel_size,
+    }
+
+
+def kv_dtype_label(info: dict[str, Any]) -> str:
+    """The KV dtype as logs and pages show it: "int8", or "auto (bfloat16)" (the dtype "auto" stores)."""
+    name = info["kv_cache_dtype"]
+    return f"{name} ({info['kv_cache_storage']})" if name == "auto" else name
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1536 -> "1.5 KiB"."""
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            break
+        num_bytes /= 1024
+    return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
 
 
 class _SamplerTokens:

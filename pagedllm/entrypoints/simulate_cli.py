@@ -1,6 +1,7 @@
 """`pagedllm simulate ...`: the real scheduler on paper-scale hardware, timed by a cost model.
 
     pagedllm simulate --model-config opt-13b --hardware a100-40gb --trace sharegpt --rate 1 2 3
+    pagedllm simulate --model-config opt-13b --rate 1 2 3 --kv-cache-dtype int8   # 8-bit KV cache
 
 The lead's cli.py calls ``add_simulate_parser(subparsers)``; this module runs alone too
 (``python -m pagedllm.entrypoints.simulate_cli ...``).
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 
+from pagedllm.config import KV_CACHE_DTYPES
 from pagedllm.simulator import (
     HARDWARE_PRESETS,
     MODEL_SHAPES,
@@ -40,6 +42,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=1, help="parallel samples per request")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the paper's pool sizing")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache storage (auto = the model dtype): sets the KV bytes per token, hence the "
+                             "pool's blocks and the roofline's KV reads (a calibrated --cost-model is used as fitted)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2560)
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
@@ -59,12 +64,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def simulate_rows(args: argparse.Namespace) -> list[dict]:
     """Run every (policy, rate) of ``args``, print one table row each, return the rows."""
-    shape = get_model_shape(args.model_config)
+    shape = get_model_shape(args.model_config, args.kv_cache_dtype)
     hw = get_hardware(args.hardware)
     cost_model = CostModel.from_json(args.cost_model) if args.cost_model else CostModel.from_hardware(shape, hw)
     num_blocks = args.num_gpu_blocks or kv_pool_blocks(shape, hw, args.block_size, args.max_num_batched_tokens)
     policies = list(POLICIES) if "all" in args.policy else args.policy
-    print(f"SIMULATED: {shape.name} on {hw.name}, {num_blocks} KV blocks of {args.block_size} tokens "
+    print(f"SIMULATED: {shape.name} on {hw.name}, KV {shape.kv_cache_dtype} "
+          f"({shape.kv_bytes_per_token / 1024:g} KiB/token), {num_blocks} KV blocks of {args.block_size} tokens "
           f"({num_blocks * args.block_size} token slots), trace {args.trace}, {args.num_requests} requests")
     print(f"cost model: {cost_model.source}")
     header = f"{'policy':<18} {'rate':>6} {'norm.lat s/tok':>14} {'batched req':>11} {'preempted':>9} " \
@@ -86,7 +92,8 @@ def simulate_rows(args: argparse.Namespace) -> list[dict]:
                   f"{result.avg_batched_requests:>11.1f} {result.num_preempted:>9d} {shares}")
             rows.append({**result.row(), "rate": rate, "kv_waste": result.kv_waste, "model": shape.name,
                          "hardware": hw.name, "trace": args.trace, "block_size": args.block_size,
-                         "num_gpu_blocks": num_blocks})
+                         "num_gpu_blocks": num_blocks, "kv_cache_dtype": shape.kv_cache_dtype,
+                         "kv_bytes_per_token": shape.kv_bytes_per_token})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

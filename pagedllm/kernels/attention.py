@@ -24,7 +24,8 @@ def paged_decode_attention(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
 ) -> torch.Tensor | None:
-    """[B, Hq, D] attention output, or None when the kernel cannot serve this call.
+    """[B, Hq, D] attention output, or None when the kernel cannot serve this call. The caches hold
+    rows in the query's dtype or a quantized format (attention/kv_quant.py), decoded as read.
 
     ``sliding_window`` > 0: only each sequence's last that many positions are attended;
     ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax."""
@@ -60,9 +61,12 @@ def paged_chunked_attention(
 
 
 def prompt_attention_amx_supported(query: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether ``prompt_attention_amx`` runs for these queries and cache here: bfloat16 both, on a
-    CPU with AMX, a head size that is a multiple of 64 (at most 256)."""
-    if query.device.type != "cpu" or query.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
+    """Whether ``prompt_attention_amx`` runs for these queries and cache here: bfloat16 queries over a
+    bfloat16 or quantized cache (decoded to bfloat16 as it is packed), on a CPU with AMX, a head size
+    that is a multiple of 64 (at most 256)."""
+    if query.device.type != "cpu" or query.dtype != torch.bfloat16:
+        return False
+    if cache.dtype != torch.bfloat16 and cache.dtype.itemsize != 1:  # quantized pools are the 1-byte dtypes
         return False
     module = cpu_kernels()
     return module is not None and module.prompt_attention_amx_supported(query.shape[-1])

@@ -46,7 +46,9 @@ SOURCES = [
 ]
 HEADERS = [
     os.path.join(_CSRC, name)
-    for name in ("quant_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h", "kernels.h", "branches.h")
+    for name in (
+        "quant_formats.h", "kv_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h", "kernels.h", "branches.h"
+    )
 ]
 _BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 # A build takes one to three minutes; a lock older than this was left by a build that was killed,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.kv_quant import cache_format
 from pagedllm.kernels import cpu_kernels, kernel_config
 from pagedllm.kernels.codes import (
     ACTIVATION_CODES,
@@ -79,7 +80,7 @@ class LayerStack:
     def plan(self, meta: AttentionMetadata, hidden: torch.Tensor, k_cache: torch.Tensor) -> Plan | None:
         """The step's attention plan as ``run_layer_stack`` takes it: (kernels, row ranges, tensors),
         or None when the Python layers must run the step."""
-        if k_cache.dtype != hidden.dtype:
+        if k_cache.dtype != hidden.dtype and cache_format(k_cache) is None:
             return None
         if meta.is_all_decode:
             parts = [(DECODE_KERNEL, meta)]
@@ -88,8 +89,9 @@ class LayerStack:
         elif self.planner is None:
             return None
         else:
-            # The cache stands in for the query: the same dtype (checked above), device and head size.
-            parts, sdpa = self.planner.cpu_plan(meta, k_cache, k_cache)
+            # A stand-in for the step's queries: their dtype, device and head size.
+            query = hidden.new_empty((0, self.head_dim))
+            parts, sdpa = self.planner.cpu_plan(meta, query, k_cache)
             if sdpa:
                 return None
         kernels, rows, tensors = [], [], []

@@ -6,9 +6,10 @@ quadratic part), and the blocks moved (swap over the host link, copies within th
 
 Two forms share one dataclass:
 - ``from_hardware``: a roofline. A step streams the weights once and the decode KV it reads
-  (memory time) while computing 2 FLOPs per parameter per token plus attention (compute time);
-  it takes the larger of the two, plus a fixed per-step overhead. Achievable fractions of the
-  peaks (``mfu``, ``mbu``) are typical of fp16 serving kernels of the paper's time.
+  (memory time, at the KV bytes per token of the shape's ``kv_cache_dtype``) while computing
+  2 FLOPs per parameter per token plus attention (compute time); it takes the larger of the two,
+  plus a fixed per-step overhead. Achievable fractions of the peaks (``mfu``, ``mbu``) are
+  typical of fp16 serving kernels of the paper's time.
 - ``fit``: coefficients fitted by non-negative least squares to measured step times (the
   calibration against real pagedllm runs); such a model is linear (``roofline=False``).
 """
@@ -58,14 +59,26 @@ class CostModel:
 
     @classmethod
     def from_hardware(
-        cls, shape: ModelShape, hw: HardwareSpec, mfu: float = 0.5, mbu: float = 0.8, overhead_s: float = 1.5e-3
+        cls, shape: ModelShape, hw: HardwareSpec, mfu: float = 0.5, mbu: float = 0.8, overhead_s: float = 1.5e-3,
+        kv_cache_dtype: str | None = None,
     ) -> CostModel:
+        """The roofline of ``shape`` on ``hw``; ``kv_cache_dtype`` (default: the shape's) sets the KV bytes
+        per token that decode attention reads and that swaps and block copies move.
+
+        Dequantizing a quantized KV cache is not costed: it is a multiply-add per value, fused into the
+        attention kernel's loads, and decode attention does ~1 FLOP per byte it reads, far below the
+        ridge point (~200 FLOP/byte on an A100), so the step stays memory bound on the smaller reads.
+        Weights stay in the model dtype, so the fixed weight stream does not change.
+        """
+        if kv_cache_dtype is not None:
+            shape = shape.with_kv_cache_dtype(kv_cache_dtype)
         devices = hw.num_devices
         flops = hw.peak_flops * mfu * devices
         bandwidth = hw.mem_bandwidth * mbu * devices
         per_token_flops = 2 * shape.num_params
         attn_pair_flops = 4 * shape.num_layers * shape.num_heads * shape.head_dim
         allreduce = 2 * shape.num_layers * hw.allreduce_latency_s if devices > 1 else 0.0
+        kv_label = "" if shape.kv_cache_dtype == "auto" else f", kv {shape.kv_cache_dtype}"
         return cls(
             fixed_s=shape.weight_bytes / bandwidth,
             per_prefill_token_s=per_token_flops / flops,
@@ -77,7 +90,7 @@ class CostModel:
             per_swap_block_s=10e-6,
             per_copy_token_s=2 * shape.kv_bytes_per_token / bandwidth,
             roofline=True,
-            source=f"roofline {shape.name} on {hw.name} (mfu={mfu}, mbu={mbu})",
+            source=f"roofline {shape.name} on {hw.name} (mfu={mfu}, mbu={mbu}{kv_label})",
         )
 
     def step_time(self, f: StepFeatures) -> float:

@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
+
+from pagedllm.config import canonical_kv_cache_dtype
+
+# The stored formats' row layouts, as attention/kv_quant.py defines them (KVFormat.row_bytes);
+# restated here because the simulator must not import torch.
+_KV_SCALE_BYTES = 4  # 8-bit formats: one float32 scale per (token, KV head) row
+_KV_INT4_GROUP = 32  # int4: values per group, each group with a float16 scale and a float16 minimum
+_KV_INT4_GROUP_BYTES = 4
+
+
+def kv_row_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one (token, KV head) row of K or V: the model dtype's values ("auto") or a quantized
+    row with its scales, equal to kv_quant.KVFormat.row_bytes (int8 / fp8: D + 4, int4: D / 2 + 4 D / 32)."""
+    name = canonical_kv_cache_dtype(kv_cache_dtype)
+    if name == "auto":
+        return head_dim * dtype_bytes
+    if name == "int4":
+        if head_dim % _KV_INT4_GROUP:
+            raise ValueError(f"kv_cache_dtype='int4' needs a head size that is a multiple of {_KV_INT4_GROUP}, "
+                             f"got {head_dim}; use 'int8' or 'fp8'.")
+        return head_dim // 2 + head_dim // _KV_INT4_GROUP * _KV_INT4_GROUP_BYTES
+    return head_dim + _KV_SCALE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +43,18 @@ class ModelShape:
     max_model_len: int
     dtype_bytes: int = 2  # fp16, as the paper serves
     gated_mlp: bool = False  # LLaMA's SwiGLU has three MLP matrices, OPT's two
+    # How the KV cache is stored (vLLM's names, as EngineArgs.kv_cache_dtype): "auto" keeps the
+    # model dtype; weights and activations stay in the model dtype whatever this says.
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Canonical name ("fp8" -> "fp8_e4m3") and an early error for an unusable format.
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        kv_row_bytes(self.kv_cache_dtype, self.head_dim, self.dtype_bytes)
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> ModelShape:
+        """The same model with its KV cache stored as ``kv_cache_dtype``."""
+        return dataclasses.replace(self, kv_cache_dtype=kv_cache_dtype)
 
     @property
     def num_params(self) -> int:
@@ -32,9 +67,14 @@ class ModelShape:
         return self.num_params * self.dtype_bytes
 
     @property
+    def kv_row_bytes(self) -> int:
+        """One (token, KV head) row of K or V in the chosen KV format, scales included."""
+        return kv_row_bytes(self.kv_cache_dtype, self.head_dim, self.dtype_bytes)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer: 800 KB for OPT-13B, as the paper says."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of every layer: 800 KB for OPT-13B in fp16, as the paper says (412.5 KiB in int8)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_row_bytes
 
     def activation_bytes(self, max_num_batched_tokens: int) -> int:
         """Peak activations of the largest step (a rough bound, as a profiling pass would measure)."""
@@ -57,7 +97,8 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
-def shape_from_hf_config(config: dict, name: str = "hf-model", dtype_bytes: int = 2) -> ModelShape:
+def shape_from_hf_config(config: dict, name: str = "hf-model", dtype_bytes: int = 2,
+                         kv_cache_dtype: str = "auto") -> ModelShape:
     """A shape from a Hugging Face config.json dict (Llama/Mistral/Qwen2, OPT, GPT-2 names)."""
     hidden = config.get("hidden_size") or config.get("n_embd") or config["d_model"]
     heads = config.get("num_attention_heads") or config["n_head"]
@@ -68,16 +109,18 @@ def shape_from_hf_config(config: dict, name: str = "hf-model", dtype_bytes: int 
     max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
     gated = config.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
     return ModelShape(name, layers, hidden, heads, kv_heads, head_dim, ffn, config.get("vocab_size", 32000),
-                      max_len, dtype_bytes, gated)
+                      max_len, dtype_bytes, gated, kv_cache_dtype)
 
 
-def get_model_shape(name_or_path: str) -> ModelShape:
-    """A preset name (opt-13b, opt-66b, opt-175b, llama-13b, smollm2-135m), a config.json, or a folder with one."""
+def get_model_shape(name_or_path: str, kv_cache_dtype: str = "auto") -> ModelShape:
+    """A preset name (opt-13b, opt-66b, opt-175b, llama-13b, smollm2-135m), a config.json, or a folder with
+    one; its KV cache stored as ``kv_cache_dtype``."""
     key = name_or_path.lower()
     if key in MODEL_SHAPES:
-        return MODEL_SHAPES[key]
+        return MODEL_SHAPES[key].with_kv_cache_dtype(kv_cache_dtype)
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.isfile(path):
         raise ValueError(f"unknown model {name_or_path!r}: use one of {', '.join(MODEL_SHAPES)} or a config.json path")
     with open(path) as f:
-        return shape_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return shape_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+                                    kv_cache_dtype=kv_cache_dtype)

@@ -64,7 +64,9 @@ def decide_num_gpu_blocks(
     """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype)
+    block_bytes = kv_block_bytes(
+        model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype
+    )
     if cache_config.kv_cache_memory is not None:
         budget = cache_config.kv_cache_memory
     elif device.type == "cuda":

@@ -21,6 +21,7 @@ logger = logging.getLogger("pagedllm.dashboard")
 
 
 def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedllm.config import KV_CACHE_DTYPES
     from pagedllm.simulator import HARDWARE_PRESETS, MODEL_SHAPES, POLICIES
 
     parser = subparsers.add_parser("dashboard", help="the live KV-cache dashboard over the simulator",
@@ -46,6 +47,8 @@ def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
     sim.add_argument("--no-prefix-caching", action="store_true")
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--num-gpu-blocks", type=int, default=None, help="override the paper's pool sizing")
+    sim.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                     help="KV cache storage (auto = the model dtype): the pool's blocks and the KV reads' cost")
     sim.add_argument("--max-num-seqs", type=int, default=256)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2560)
     sim.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
@@ -67,7 +70,7 @@ def build_simulated_app(args: argparse.Namespace, api_key: str | None = None) ->
     from pagedllm.entrypoints.openai.guard import GuardMiddleware
     from pagedllm.simulator import CostModel, SimConfig, get_hardware, get_model_shape, kv_pool_blocks, make_trace
 
-    shape = get_model_shape(args.model_config)
+    shape = get_model_shape(args.model_config, args.kv_cache_dtype)
     hw = get_hardware(args.hardware)
     cost_model = CostModel.from_json(args.cost_model) if args.cost_model else CostModel.from_hardware(shape, hw)
     num_blocks = args.num_gpu_blocks or kv_pool_blocks(shape, hw, args.block_size, args.max_num_batched_tokens)
@@ -101,7 +104,8 @@ def build_simulated_app(args: argparse.Namespace, api_key: str | None = None) ->
 
     app = FastAPI(title="pagedllm dashboard (simulated)", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(GuardMiddleware, api_key=api_key, log_requests=False)
-    title = f"{shape.name} on {hw.name}, {args.trace} at {args.rate:g} req/s, {args.policy}"
+    kv = "" if shape.kv_cache_dtype == "auto" else f", KV {shape.kv_cache_dtype}"
+    title = f"{shape.name} on {hw.name}{kv}, {args.trace} at {args.rate:g} req/s, {args.policy}"
     add_dashboard_routes(app, hub, title)
     app.state.dashboard_source = source
 

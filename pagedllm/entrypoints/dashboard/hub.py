@@ -27,7 +27,11 @@ DEFAULT_HISTORY_S = 300.0  # "the last minutes" of the charts
 
 
 class DashboardSource(Protocol):
-    """Where snapshots come from: the serving engine or the simulator."""
+    """Where snapshots come from: the serving engine or the simulator.
+
+    A source may also have ``kv_cache_info`` (see source_kv_cache): the pool's KV dtype and bytes,
+    added to every snapshot as ``kv_cache`` (or pass them to DashboardHub as ``kv_cache``).
+    """
 
     def now(self) -> float:
         """The source's clock (wall time for a server, simulated time for the simulator)."""
@@ -37,6 +41,37 @@ class DashboardSource(Protocol):
 
     async def capture(self) -> dict[str, Any]:
         """core.snapshot.take_snapshot(...) plus ``counters``, taken safely between steps."""
+
+
+# The engine's pool stats (LLMEngine.kv_cache_info) under the names of the snapshot's "kv_cache".
+_KV_CACHE_FIELDS = {
+    "kv_cache_dtype": "dtype",
+    "kv_cache_storage": "storage",
+    "kv_bytes_per_token": "bytes_per_token",
+    "kv_block_bytes": "block_bytes",
+    "kv_gpu_pool_bytes": "pool_bytes",
+    "kv_cpu_pool_bytes": "cpu_pool_bytes",
+}
+
+
+def source_kv_cache(source: Any, info: Any = None) -> dict[str, Any] | None:
+    """The KV pool's format and size (``info`` when given), if the source knows them, else None.
+
+    A source may offer ``kv_cache_info`` (a dict, or a method returning one) itself; an engine-backed
+    source's engine has it as an attribute. It is fixed at start-up, so reading it off the engine's
+    thread is safe and once is enough. Engine stat names (kv_bytes_per_token, ...) become the
+    snapshot's (bytes_per_token, ...).
+    """
+    if info is None:
+        info = getattr(source, "kv_cache_info", None)
+    if info is None:
+        engine = getattr(getattr(source, "async_engine", None), "engine", None)
+        info = getattr(engine, "kv_cache_info", None)
+    if callable(info):
+        info = info()
+    if not isinstance(info, dict):
+        return None
+    return {_KV_CACHE_FIELDS.get(key, key): value for key, value in info.items()}
 
 
 class _Subscriber:
@@ -55,7 +90,8 @@ def sse_event(event: str, data: Any) -> bytes:
 
 class DashboardHub:
     def __init__(self, source: DashboardSource, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = DEFAULT_HISTORY_S, latency_window_s: float = 120.0) -> None:
+                 history_s: float = DEFAULT_HISTORY_S, latency_window_s: float = 120.0,
+                 kv_cache: dict[str, Any] | None = None) -> None:
         self.source = source
         self.interval_s = interval_s
         self.history: deque[dict[str, Any]] = deque(maxlen=max(1, int(history_s / interval_s)))
@@ -65,6 +101,8 @@ class DashboardHub:
         self._subscribers: set[_Subscriber] = set()
         self._ticker: asyncio.Task | None = None
         self.num_snapshots = 0  # for tests: proves that nobody watching means no snapshot work
+        # Shown beside the block map; None leaves the KV dtype and bytes out.
+        self.kv_cache = source_kv_cache(source, kv_cache)
 
     @property
     def active(self) -> bool:
@@ -91,6 +129,8 @@ class DashboardHub:
         snapshot["throughput"] = point["tps"]
         snapshot["latency"] = {"ttft": point["ttft"], "itl": point["itl"], "window_s": self.ttft.window_s}
         snapshot["point"] = point
+        if self.kv_cache is not None and "kv_cache" not in snapshot:
+            snapshot["kv_cache"] = dict(self.kv_cache)
         return snapshot
 
     async def events(self) -> AsyncIterator[bytes]:

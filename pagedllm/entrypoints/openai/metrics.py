@@ -1,9 +1,10 @@
 """Prometheus metrics of the server, named as vLLM's under the prefix ``pagedllm:``.
 
 Two sources: the engine's ``get_stats()`` (queue lengths, KV usage, token and preemption
-counters), read at scrape time and exposed by a custom collector; and per-request latencies
-(time to first token, inter-token latency, end-to-end, queue time), observed by the async engine
-as outputs arrive. Each app gets its own registry, so several servers can live in one process.
+counters, the pool's KV dtype and size), read at scrape time and exposed by a custom collector;
+and per-request latencies (time to first token, inter-token latency, end-to-end, queue time),
+observed by the async engine as outputs arrive. Each app gets its own registry, so several
+servers can live in one process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ _STAT_KEYS: dict[str, tuple[str, ...]] = {
     "prefix_hits": ("prefix_cache_hit_tokens", "prefix_cache_hits", "num_prefix_cache_hits"),
     "prompt_tokens": ("prompt_tokens", "num_prompt_tokens"),
     "generation_tokens": ("generation_tokens", "num_generation_tokens"),
+    "kv_bytes_per_token": ("kv_bytes_per_token",),
+    "kv_block_bytes": ("kv_block_bytes",),
+    "kv_gpu_pool_bytes": ("kv_gpu_pool_bytes",),
+}
+
+# Labels of cache_config_info (vLLM's ``vllm:cache_config_info``) and the stats they come from.
+_CACHE_INFO_LABELS: dict[str, str] = {
+    "block_size": "block_size",
+    "cache_dtype": "kv_cache_dtype",
+    "cache_storage_dtype": "kv_cache_storage",
+    "num_gpu_blocks": "num_gpu_blocks",
+    "num_cpu_blocks": "num_cpu_blocks",
+    "kv_bytes_per_token": "kv_bytes_per_token",
 }
 
 
@@ -107,6 +121,16 @@ class _EngineStatsCollector(Collector):
         cpu_usage = cpu_used / cpu_total if cpu_total and cpu_used is not None else (0.0 if cpu_total == 0 else None)
         yield from gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = 100%).", cpu_usage)
         yield from gauge("num_gpu_blocks", "Device KV cache blocks in the pool.", total)
+        yield from gauge("num_cpu_blocks", "CPU swap blocks in the pool.", cpu_total)
+        yield from gauge(
+            "kv_cache_bytes_per_token",
+            "KV cache bytes one token takes: K and V of every layer, quantization scales included "
+            "(this rank's share under tensor parallelism).",
+            stat(stats, "kv_bytes_per_token"),
+        )
+        yield from gauge("kv_cache_block_bytes", "Bytes of one KV cache block.", stat(stats, "kv_block_bytes"))
+        yield from gauge("kv_cache_pool_bytes", "Bytes of the device KV cache pool.", stat(stats, "kv_gpu_pool_bytes"))
+        yield from cache_config_info(stats, labels, values)
         yield from gauge("num_gpu_blocks_used", "Device KV cache blocks held by requests.", used)
         yield from gauge(
             "num_requests_in_flight", "Requests the server is serving now.", float(self.metrics.requests_in_flight())
@@ -120,6 +144,26 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_queries", "Prefix cache queries, in tokens.", stat(stats, "prefix_queries")
         )
         yield from counter("prefix_cache_hits", "Prefix cache hits, in tokens.", stat(stats, "prefix_hits"))
+
+
+def cache_config_info(stats: dict[str, Any], labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """``cache_config_info`` = 1 with the pool's settings as labels (vLLM's ``vllm:cache_config_info``).
+
+    Absent for an engine whose stats do not name its KV cache dtype: a label must not lie.
+    """
+    if not isinstance(stats.get("kv_cache_dtype"), str):
+        return []
+    info: dict[str, str] = {}
+    for label, key in _CACHE_INFO_LABELS.items():
+        value = stats.get(key)
+        if value is not None:
+            info[label] = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+    family = GaugeMetricFamily(
+        PREFIX + "cache_config_info", "Information of the KV cache config (the value is always 1).",
+        labels=[*labels, *info],
+    )
+    family.add_metric([*values, *info.values()], 1.0)
+    return [family]
 
 
 class ServerMetrics:

@@ -13,6 +13,10 @@
 // tile and every query head sharing the KV head (grouped-query attention). Values are read in
 // place, row by row. Softmax and accumulation are in float32 whatever the cache's type.
 //
+// A quantized cache (kv_formats.h) is read the same way: each key row is decoded as it is gathered
+// into the transposed buffer, and each value row of the chunk once into a small float32 buffer that
+// every lane of the tile then reads (the chunk's rows only, never the context).
+//
 // A sliding window W lets the query at position p see keys p - W + 1 .. p only: the tile's walk
 // starts at its first row's first key, so keys before it (blocks the block manager may have
 // released) are never touched. A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c)
@@ -27,6 +31,7 @@
 
 #include "work_order.h"
 #include "branches.h"
+#include "kv_formats.h"
 
 namespace {
 
@@ -43,18 +48,20 @@ struct WorkItem {
   int64_t first_pos;  // absolute position of the first row
 };
 
-template <typename scalar_t, int HEAD_DIM>
+template <typename scalar_t, typename Format, int HEAD_DIM>
 void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
-                  const scalar_t* __restrict__ k_cache,      // [N, bs, Hkv, D]
-                  const scalar_t* __restrict__ v_cache,      // [N, bs, Hkv, D]
+                  const typename Format::storage_t* __restrict__ k_cache,  // [N, bs, Hkv, row]
+                  const typename Format::storage_t* __restrict__ v_cache,  // [N, bs, Hkv, row]
                   const int64_t* __restrict__ block_tables,  // [B, max_blocks]
                   scalar_t* __restrict__ out,                // [T, Hq, D]
                   const std::vector<WorkItem>& items, int64_t num_heads, int64_t num_kv_heads,
                   int64_t runtime_head_dim, int64_t block_size, int64_t max_blocks, float scale,
                   int64_t sliding_window, float soft_cap) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  using kv_t = typename Format::storage_t;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
+  const int64_t head_row = Format::row_elems(head_dim);  // one KV head of one token, scales included
+  const int64_t row_stride = num_kv_heads * head_row;   // one slot: every KV head of one token
   const int64_t q_stride = num_heads * head_dim;       // one query token: every query head
   // With a soft cap, queries are scaled by scale / cap so that tanh takes the dot product as is.
   const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
@@ -63,7 +70,9 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
     std::vector<float> qf(max_lanes * head_dim), acc(max_lanes * head_dim);
     std::vector<float> running_max(max_lanes), running_sum(max_lanes);
     std::vector<float> kt(head_dim * KC);
-    const scalar_t* vrows[KC];
+    const kv_t* vrows[KC];
+    // A quantized chunk's keys (one row) and values (KC rows) as float32.
+    std::vector<float> key_buf(Format::kQuantized ? head_dim : 0), value_buf(Format::kQuantized ? KC * head_dim : 0);
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& item = items[w];
       const int64_t rows = item.num_rows;
@@ -92,10 +101,16 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
           const int64_t n = std::min(KC, length - start);
           for (int64_t j = 0; j < n; ++j) {
             const int64_t pos = start + j;
-            const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * row_stride + g * head_dim;
-            const scalar_t* krow = k_cache + offset;
+            const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * row_stride + g * head_row;
+            const kv_t* krow = k_cache + offset;
             vrows[j] = v_cache + offset;
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = static_cast<float>(krow[d]);
+            if constexpr (Format::kQuantized) {
+              Format::dequantize(krow, head_dim, key_buf.data());
+              for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = key_buf[d];
+              Format::dequantize(vrows[j], head_dim, value_buf.data() + j * head_dim);
+            } else {
+              for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = static_cast<float>(krow[d]);
+            }
           }
           for (int64_t j = n; j < KC; ++j) {
             for (int64_t d = 0; d < head_dim; ++d) kt[d * KC + j] = 0.f;
@@ -144,9 +159,15 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
               for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
               for (int64_t j = lo; j < hi; ++j) {
                 const float p = sl[j];
-                const scalar_t* __restrict__ vrow = vrows[j];
+                if constexpr (Format::kQuantized) {
+                  const float* __restrict__ vrow = value_buf.data() + j * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
+                  for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vrow[d];
+                } else {
+                  const kv_t* __restrict__ vrow = vrows[j];
+#pragma omp simd
+                  for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vrow[d]);
+                }
               }
             }
           }
@@ -165,15 +186,15 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Format>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, at::Tensor& out, const std::vector<WorkItem>& items,
                        float scale, int64_t sliding_window, float soft_cap) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
-    chunk_kernel<scalar_t, decltype(head_dim_constant)::value>(
-        query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    chunk_kernel<scalar_t, Format, decltype(head_dim_constant)::value>(
+        query.data_ptr<scalar_t>(), pagedllm::kv::rows_of<Format>(k_cache), pagedllm::kv::rows_of<Format>(v_cache),
         block_tables.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), items, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
@@ -196,7 +217,8 @@ at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Ten
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
               "block_tables, query_start_loc and context_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "the key and value caches must have one dtype and shape");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap must be >= 0");
   const int64_t batch = context_lens.size(0);
@@ -221,8 +243,11 @@ at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Ten
   auto out = at::empty_like(query);
   pagedllm::count_run(pagedllm::Kernel::kChunkedAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_chunked_attention", [&] {
-    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, out, items, static_cast<float>(scale),
-                              sliding_window, static_cast<float>(logits_soft_cap));
+    pagedllm::kv::dispatch_format<scalar_t>(k_cache, query.size(2), "paged_chunked_attention", [&](auto format) {
+      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, out, items,
+                                                    static_cast<float>(scale), sliding_window,
+                                                    static_cast<float>(logits_soft_cap));
+    });
   });
   return out;
 }

@@ -4,11 +4,17 @@
 // (~6 us each here) is larger than the copy itself at decode sizes (a few hundred bytes per token).
 // A token's heads are one contiguous run in the step's tensors (rows of the fused qkv output) and in
 // the cache, so each token is two memcpy calls whatever the dtype.
+//
+// A quantized cache (kv_formats.h) takes each (token, KV head) row quantized with its scales
+// instead, the bytes kv_quant.quantize_rows would write.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "kv_formats.h"
 
 namespace {
 
@@ -17,9 +23,38 @@ void check_states(const at::Tensor& states, const at::Tensor& cache, const char*
   TORCH_CHECK(states.dim() == 3, name, " must be [tokens, kv_heads, head_dim], got ", states.sizes());
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name,
               " cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor");
-  TORCH_CHECK(states.size(1) == cache.size(2) && states.size(2) == cache.size(3), name, " ", states.sizes(),
-              " does not match its cache ", cache.sizes());
-  TORCH_CHECK(states.scalar_type() == cache.scalar_type(), name, " must have its cache's dtype");
+  TORCH_CHECK(states.size(1) == cache.size(2), name, " ", states.sizes(), " does not match its cache ", cache.sizes());
+  TORCH_CHECK(states.scalar_type() != cache.scalar_type() || states.size(2) == cache.size(3), name, " ",
+              states.sizes(), " does not match its cache ", cache.sizes());
+}
+
+// Every (token, KV head) row of `states` quantized into its slot of a `Format` cache.
+template <typename scalar_t, typename Format>
+void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* slot, int64_t tokens) {
+  const int64_t heads = states.size(1), head_dim = states.size(2);
+  const int64_t row = Format::row_elems(head_dim);
+  const auto* src = states.data_ptr<scalar_t>();
+  auto* dst = reinterpret_cast<typename Format::storage_t*>(cache.data_ptr());
+  const int64_t stride = states.stride(0);
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* in = src + t * stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) x[d] = static_cast<float>(in[d]);
+        Format::quantize(x.data(), head_dim, dst + (slot[t] * heads + h) * row);
+      }
+    }
+  });
+}
+
+void write_quantized(const at::Tensor& states, at::Tensor& cache, const int64_t* slot, int64_t tokens,
+                     const char* name) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, states.scalar_type(), "write_kv_cache", [&] {
+    pagedllm::kv::dispatch_format<scalar_t>(cache, states.size(2), name, [&](auto format) {
+      quantize_into<scalar_t, decltype(format)>(states, cache, slot, tokens);
+    });
+  });
 }
 
 // Rows of the fused qkv output already have each token's heads side by side; anything else is
@@ -43,11 +78,16 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Te
   TORCH_CHECK(value.size(0) == tokens && slot_mapping.size(0) == tokens, "key, value and slot_mapping must have ",
               "one entry per token");
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
   }
+  if (key.scalar_type() != k_cache.scalar_type()) {
+    write_quantized(key, k_cache, slot, tokens, "key");
+    write_quantized(value, v_cache, slot, tokens, "value");
+    return;
+  }
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const auto* kp = static_cast<const char*>(key.data_ptr());
   const auto* vp = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(k_cache.data_ptr());

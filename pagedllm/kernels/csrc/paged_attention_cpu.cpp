@@ -9,6 +9,10 @@
 // key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes so the
 // compiler unrolls and vectorises the dot products; other sizes take the generic instance.
 //
+// The cache's rows may be quantized (kv_formats.h): each key and value row is decoded in registers
+// as it is read (16 values per AVX-512 load), in float32 like a float cache's; no float copy of the
+// context is made.
+//
 // A sliding window W limits each query to its sequence's last W positions: the walk starts at
 // position length - W, so blocks before it are never touched (the block manager may have freed
 // them). A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c) before the softmax.
@@ -20,6 +24,7 @@
 #include <vector>
 
 #include "branches.h"
+#include "kv_formats.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,60 +34,82 @@
 
 namespace {
 
+template <typename Format>
+using kv_t = typename Format::storage_t;
+
+// Rows of this format and head size go through the AVX-512 register loops below.
+template <typename Format, int HEAD_DIM>
+constexpr bool kVectorRows =
+#if defined(__AVX512F__)
+    Format::kVector && HEAD_DIM > 0;
+#else
+    false;
+#endif
+
+// The portable loops read a quantized row through a float32 copy of it (`row_buf`, head_dim values).
+template <typename Format>
+inline const float* float_row(const kv_t<Format>* row, int64_t head_dim, float* row_buf) {
+  Format::dequantize(row, head_dim, row_buf);
+  return row_buf;
+}
+
 // One key row of a KV head against the query heads sharing it: s[j * stride] = q_j . k.
-template <typename scalar_t, int HEAD_DIM>
-inline void group_dots(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t head_dim, int64_t group,
-                       float* __restrict__ s, int64_t stride) {
-  for (int64_t j = 0; j < group; ++j) {
-    const float* qj = q + j * head_dim;
-    float dot = 0.f;
+template <typename Format, int HEAD_DIM>
+inline void group_dots_portable(const float* __restrict__ q, const kv_t<Format>* __restrict__ k, int64_t head_dim,
+                                int64_t group, float* __restrict__ s, int64_t stride, float* row_buf) {
+  if constexpr (Format::kQuantized) {
+    const float* kf = float_row<Format>(k, head_dim, row_buf);
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * head_dim;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * static_cast<float>(k[d]);
-    s[j * stride] = dot;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kf[d];
+      s[j * stride] = dot;
+    }
+  } else {
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * static_cast<float>(k[d]);
+      s[j * stride] = dot;
+    }
   }
 }
 
 // acc_j += p[j * stride] * v for the query heads sharing one value row.
-template <typename scalar_t, int HEAD_DIM>
-inline void group_axpys(const float* __restrict__ p, const scalar_t* __restrict__ v, int64_t head_dim, int64_t group,
-                        float* __restrict__ acc, int64_t stride) {
-  for (int64_t j = 0; j < group; ++j) {
-    const float pj = p[j * stride];
-    float* a = acc + j * head_dim;
+template <typename Format, int HEAD_DIM>
+inline void group_axpys_portable(const float* __restrict__ p, const kv_t<Format>* __restrict__ v, int64_t head_dim,
+                                 int64_t group, float* __restrict__ acc, int64_t stride, float* row_buf) {
+  if constexpr (Format::kQuantized) {
+    const float* vf = float_row<Format>(v, head_dim, row_buf);
+    for (int64_t j = 0; j < group; ++j) {
+      const float pj = p[j * stride];
+      float* a = acc + j * head_dim;
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) a[d] += pj * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += pj * vf[d];
+    }
+  } else {
+    for (int64_t j = 0; j < group; ++j) {
+      const float pj = p[j * stride];
+      float* a = acc + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += pj * static_cast<float>(v[d]);
+    }
   }
 }
 
-// Four consecutive key rows (row_stride apart) against the query heads sharing them: the score of
-// head j for row r goes to s[j * stride + r].
-template <typename scalar_t, int HEAD_DIM>
-inline void group_dots4(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t row_stride,
-                        int64_t head_dim, int64_t group, float* __restrict__ s, int64_t stride) {
-  for (int r = 0; r < 4; ++r) group_dots<scalar_t, HEAD_DIM>(q, k + r * row_stride, head_dim, group, s + r, stride);
-}
-
-// acc_j += sum over four consecutive value rows r of p[j * stride + r] * v_r.
-template <typename scalar_t, int HEAD_DIM>
-inline void group_axpys4(const float* __restrict__ p, const scalar_t* __restrict__ v, int64_t row_stride,
-                         int64_t head_dim, int64_t group, float* __restrict__ acc, int64_t stride) {
-  for (int r = 0; r < 4; ++r) group_axpys<scalar_t, HEAD_DIM>(p + r, v + r * row_stride, head_dim, group, acc, stride);
-}
-
 #if defined(__AVX512F__)
-// 16 elements of a row as float32.
-using pagedllm::load16;
-inline __m512 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
-
-// float32 / bfloat16 rows of 32 / 64 / 128: the row is loaded into registers once for the whole group
-// and each dot product is a chain of FMAs with one horizontal sum (the compiler's simd reduction
-// left a generic loop that cost ~4x more per score, and did not vectorise bfloat16's conversion).
-template <typename scalar_t, int HEAD_DIM>
-inline void group_dots_avx512(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t group,
+// float32 / bfloat16 / quantized rows of 32 / 64 / 128: the row is loaded (and decoded) into registers
+// once for the whole group and each dot product is a chain of FMAs with one horizontal sum (the
+// compiler's simd reduction left a generic loop that cost ~4x more per score, and did not vectorise
+// bfloat16's conversion).
+template <typename Format, int HEAD_DIM>
+inline void group_dots_avx512(const float* __restrict__ q, const kv_t<Format>* __restrict__ k, int64_t group,
                               float* __restrict__ s, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 kr[R];
-  for (int r = 0; r < R; ++r) kr[r] = load16(k + 16 * r);
+  for (int r = 0; r < R; ++r) kr[r] = Format::load16(k, HEAD_DIM, r);
   for (int64_t j = 0; j < group; ++j) {
     const float* qj = q + j * HEAD_DIM;
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kr[0]);
@@ -91,12 +118,12 @@ inline void group_dots_avx512(const float* __restrict__ q, const scalar_t* __res
   }
 }
 
-template <typename scalar_t, int HEAD_DIM>
-inline void group_axpys_avx512(const float* __restrict__ p, const scalar_t* __restrict__ v, int64_t group,
+template <typename Format, int HEAD_DIM>
+inline void group_axpys_avx512(const float* __restrict__ p, const kv_t<Format>* __restrict__ v, int64_t group,
                                float* __restrict__ acc, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 vr[R];
-  for (int r = 0; r < R; ++r) vr[r] = load16(v + 16 * r);
+  for (int r = 0; r < R; ++r) vr[r] = Format::load16(v, HEAD_DIM, r);
   for (int64_t j = 0; j < group; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j * stride]);
     float* a = acc + j * HEAD_DIM;
@@ -119,20 +146,20 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // Four consecutive rows (row_stride apart) as float32: rows[t][r] holds values 16r .. 16r + 15 of row t.
-template <typename scalar_t, int HEAD_DIM>
-inline void load_rows4(const scalar_t* __restrict__ p, int64_t row_stride, __m512 (&rows)[4][HEAD_DIM / 16]) {
+template <typename Format, int HEAD_DIM>
+inline void load_rows4(const kv_t<Format>* __restrict__ p, int64_t row_stride, __m512 (&rows)[4][HEAD_DIM / 16]) {
   for (int t = 0; t < 4; ++t) {
-    for (int r = 0; r < HEAD_DIM / 16; ++r) rows[t][r] = load16(p + t * row_stride + 16 * r);
+    for (int r = 0; r < HEAD_DIM / 16; ++r) rows[t][r] = Format::load16(p + t * row_stride, HEAD_DIM, r);
   }
 }
 
 // Four key rows are loaded once for the group; per query head, four dot products end in one sum4.
-template <typename scalar_t, int HEAD_DIM>
-inline void group_dots4_avx512(const float* __restrict__ q, const scalar_t* __restrict__ k, int64_t row_stride,
+template <typename Format, int HEAD_DIM>
+inline void group_dots4_avx512(const float* __restrict__ q, const kv_t<Format>* __restrict__ k, int64_t row_stride,
                                int64_t group, float* __restrict__ s, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 kr[4][R];
-  load_rows4<scalar_t, HEAD_DIM>(k, row_stride, kr);
+  load_rows4<Format, HEAD_DIM>(k, row_stride, kr);
   for (int64_t j = 0; j < group; ++j) {
     const float* qj = q + j * HEAD_DIM;
     __m512 acc[4];
@@ -148,12 +175,12 @@ inline void group_dots4_avx512(const float* __restrict__ q, const scalar_t* __re
 
 // Four value rows are loaded once for the group; each query head's accumulator is read and written
 // once per four rows instead of once per row.
-template <typename scalar_t, int HEAD_DIM>
-inline void group_axpys4_avx512(const float* __restrict__ p, const scalar_t* __restrict__ v, int64_t row_stride,
+template <typename Format, int HEAD_DIM>
+inline void group_axpys4_avx512(const float* __restrict__ p, const kv_t<Format>* __restrict__ v, int64_t row_stride,
                                 int64_t group, float* __restrict__ acc, int64_t stride) {
   constexpr int R = HEAD_DIM / 16;
   __m512 vr[4][R];
-  load_rows4<scalar_t, HEAD_DIM>(v, row_stride, vr);
+  load_rows4<Format, HEAD_DIM>(v, row_stride, vr);
   for (int64_t j = 0; j < group; ++j) {
     const float* pj = p + j * stride;
     float* a = acc + j * HEAD_DIM;
@@ -165,33 +192,6 @@ inline void group_axpys4_avx512(const float* __restrict__ p, const scalar_t* __r
   }
 }
 
-#define PAGEDLLM_AVX512_GROUP_OPS(T, D)                                                                     \
-  template <>                                                                                               \
-  inline void group_dots<T, D>(const float* q, const T* k, int64_t, int64_t group, float* s, int64_t stride) { \
-    group_dots_avx512<T, D>(q, k, group, s, stride);                                                        \
-  }                                                                                                         \
-  template <>                                                                                               \
-  inline void group_axpys<T, D>(const float* p, const T* v, int64_t, int64_t group, float* acc,             \
-                                int64_t stride) {                                                           \
-    group_axpys_avx512<T, D>(p, v, group, acc, stride);                                                     \
-  }                                                                                                         \
-  template <>                                                                                               \
-  inline void group_dots4<T, D>(const float* q, const T* k, int64_t row_stride, int64_t, int64_t group,     \
-                                float* s, int64_t stride) {                                                 \
-    group_dots4_avx512<T, D>(q, k, row_stride, group, s, stride);                                           \
-  }                                                                                                         \
-  template <>                                                                                               \
-  inline void group_axpys4<T, D>(const float* p, const T* v, int64_t row_stride, int64_t, int64_t group,    \
-                                 float* acc, int64_t stride) {                                              \
-    group_axpys4_avx512<T, D>(p, v, row_stride, group, acc, stride);                                        \
-  }
-PAGEDLLM_AVX512_GROUP_OPS(float, 32)
-PAGEDLLM_AVX512_GROUP_OPS(float, 64)
-PAGEDLLM_AVX512_GROUP_OPS(float, 128)
-PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 32)
-PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 64)
-PAGEDLLM_AVX512_GROUP_OPS(c10::BFloat16, 128)
-#undef PAGEDLLM_AVX512_GROUP_OPS
 
 // One head's scores -> exp(score - max) in place; returns their sum. exp16 instead of the
 // compiler's libmvec call: with bfloat16 caches the kernel is bound by arithmetic, and the
@@ -219,6 +219,60 @@ inline float exp_and_sum(float* __restrict__ s, int64_t length) {
 }
 #endif
 
+// The group operations the kernel calls: the AVX-512 register loops where they apply, else the
+// portable ones. The *4 forms take four consecutive rows (row_stride apart).
+template <typename Format, int HEAD_DIM>
+inline void group_dots(const float* q, const kv_t<Format>* k, int64_t head_dim, int64_t group, float* s,
+                       int64_t stride, float* row_buf) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    group_dots_avx512<Format, HEAD_DIM>(q, k, group, s, stride);
+    return;
+  }
+#endif
+  group_dots_portable<Format, HEAD_DIM>(q, k, head_dim, group, s, stride, row_buf);
+}
+
+template <typename Format, int HEAD_DIM>
+inline void group_axpys(const float* p, const kv_t<Format>* v, int64_t head_dim, int64_t group, float* acc,
+                        int64_t stride, float* row_buf) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    group_axpys_avx512<Format, HEAD_DIM>(p, v, group, acc, stride);
+    return;
+  }
+#endif
+  group_axpys_portable<Format, HEAD_DIM>(p, v, head_dim, group, acc, stride, row_buf);
+}
+
+template <typename Format, int HEAD_DIM>
+inline void group_dots4(const float* q, const kv_t<Format>* k, int64_t row_stride, int64_t head_dim, int64_t group,
+                        float* s, int64_t stride, float* row_buf) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    group_dots4_avx512<Format, HEAD_DIM>(q, k, row_stride, group, s, stride);
+    return;
+  }
+#endif
+  for (int r = 0; r < 4; ++r) {
+    group_dots_portable<Format, HEAD_DIM>(q, k + r * row_stride, head_dim, group, s + r, stride, row_buf);
+  }
+}
+
+template <typename Format, int HEAD_DIM>
+inline void group_axpys4(const float* p, const kv_t<Format>* v, int64_t row_stride, int64_t head_dim, int64_t group,
+                         float* acc, int64_t stride, float* row_buf) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    group_axpys4_avx512<Format, HEAD_DIM>(p, v, row_stride, group, acc, stride);
+    return;
+  }
+#endif
+  for (int r = 0; r < 4; ++r) {
+    group_axpys_portable<Format, HEAD_DIM>(p + r, v + r * row_stride, head_dim, group, acc, stride, row_buf);
+  }
+}
+
 // Loads one slot row (every KV head of one token) of the sequence's next block into the cache.
 // A sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows
 // addresses, stalls at every block boundary; row i of the next block is requested while row i of
@@ -237,10 +291,10 @@ inline const scalar_t* next_block(const scalar_t* cache, const int64_t* table, i
   return next_pos < context ? cache + table[next_pos / block_size] * block_size * row_stride : nullptr;
 }
 
-template <typename scalar_t, int HEAD_DIM>
-void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
-                   const scalar_t* __restrict__ k_cache,      // [N, bs, Hkv, D]
-                   const scalar_t* __restrict__ v_cache,      // [N, bs, Hkv, D]
+template <typename scalar_t, typename Format, int HEAD_DIM>
+void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
+                   const kv_t<Format>* __restrict__ k_cache,    // [N, bs, Hkv, row]
+                   const kv_t<Format>* __restrict__ v_cache,    // [N, bs, Hkv, row]
                    const int64_t* __restrict__ block_tables,  // [B, max_blocks]
                    const int64_t* __restrict__ context_lens,  // [B]
                    scalar_t* __restrict__ out,                // [B, Hq, D]
@@ -249,9 +303,11 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
                    float soft_cap) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // one slot: every KV head of one token
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t head_row = Format::row_elems(head_dim);  // one KV head of one token, scales included
+  const int64_t row_stride = num_kv_heads * head_row;   // one slot: every KV head of one token
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t<Format>));
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_buf(head_dim);
     std::vector<float> scores;  // [Hq, length]
     std::vector<float> qf(num_heads * head_dim);
     std::vector<float> acc(num_heads * head_dim);
@@ -270,12 +326,12 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
       for (int64_t pos = first; pos < context;) {
         const int64_t offset = pos % block_size;
         const int64_t n = std::min(block_size - offset, context - pos);
-        const scalar_t* kblock = k_cache + (table[pos / block_size] * block_size + offset) * row_stride;
-        const scalar_t* knext = next_block(k_cache, table, pos + n, context, block_size, row_stride);
+        const kv_t<Format>* kblock = k_cache + (table[pos / block_size] * block_size + offset) * row_stride;
+        const kv_t<Format>* knext = next_block(k_cache, table, pos + n, context, block_size, row_stride);
         // Four rows at a time, then one by one.
         for (int64_t i = 0; i < n;) {
           const int64_t rows = n - i >= 4 ? 4 : 1;
-          const scalar_t* krow = kblock + i * row_stride;
+          const kv_t<Format>* krow = kblock + i * row_stride;
           if (knext != nullptr) prefetch_row(knext + i * row_stride, rows * row_bytes);
           float* srow = scores.data() + pos - first + i;
           // KV head outer, its query heads inner: no division per row, one key row per group.
@@ -283,9 +339,10 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
             const float* qg = qf.data() + g * group * head_dim;
             float* sg = srow + g * group * length;
             if (rows == 4) {
-              group_dots4<scalar_t, HEAD_DIM>(qg, krow + g * head_dim, row_stride, head_dim, group, sg, length);
+              group_dots4<Format, HEAD_DIM>(qg, krow + g * head_row, row_stride, head_dim, group, sg, length,
+                                            row_buf.data());
             } else {
-              group_dots<scalar_t, HEAD_DIM>(qg, krow + g * head_dim, head_dim, group, sg, length);
+              group_dots<Format, HEAD_DIM>(qg, krow + g * head_row, head_dim, group, sg, length, row_buf.data());
             }
           }
           i += rows;
@@ -317,20 +374,21 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
       for (int64_t pos = first; pos < context;) {
         const int64_t offset = pos % block_size;
         const int64_t n = std::min(block_size - offset, context - pos);
-        const scalar_t* vblock = v_cache + (table[pos / block_size] * block_size + offset) * row_stride;
-        const scalar_t* vnext = next_block(v_cache, table, pos + n, context, block_size, row_stride);
+        const kv_t<Format>* vblock = v_cache + (table[pos / block_size] * block_size + offset) * row_stride;
+        const kv_t<Format>* vnext = next_block(v_cache, table, pos + n, context, block_size, row_stride);
         for (int64_t i = 0; i < n;) {
           const int64_t rows = n - i >= 4 ? 4 : 1;
-          const scalar_t* vrow = vblock + i * row_stride;
+          const kv_t<Format>* vrow = vblock + i * row_stride;
           if (vnext != nullptr) prefetch_row(vnext + i * row_stride, rows * row_bytes);
           const float* prow = scores.data() + pos - first + i;
           for (int64_t g = 0; g < num_kv_heads; ++g) {
             const float* pg = prow + g * group * length;
             float* ag = acc.data() + g * group * head_dim;
             if (rows == 4) {
-              group_axpys4<scalar_t, HEAD_DIM>(pg, vrow + g * head_dim, row_stride, head_dim, group, ag, length);
+              group_axpys4<Format, HEAD_DIM>(pg, vrow + g * head_row, row_stride, head_dim, group, ag, length,
+                                             row_buf.data());
             } else {
-              group_axpys<scalar_t, HEAD_DIM>(pg, vrow + g * head_dim, head_dim, group, ag, length);
+              group_axpys<Format, HEAD_DIM>(pg, vrow + g * head_row, head_dim, group, ag, length, row_buf.data());
             }
           }
           i += rows;
@@ -347,15 +405,15 @@ void decode_kernel(const scalar_t* __restrict__ q,            // [B, Hq, D]
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Format>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                        float scale, int64_t sliding_window, float soft_cap) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
-    decode_kernel<scalar_t, decltype(head_dim_constant)::value>(
-        query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    decode_kernel<scalar_t, Format, decltype(head_dim_constant)::value>(
+        query.data_ptr<scalar_t>(), pagedllm::kv::rows_of<Format>(k_cache), pagedllm::kv::rows_of<Format>(v_cache),
         block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
         num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
@@ -377,7 +435,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes must match");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "the key and value caches must have one dtype and shape");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap must be >= 0");
   query = query.contiguous();
@@ -386,8 +445,11 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   auto out = at::empty_like(query);
   pagedllm::count_run(pagedllm::Kernel::kDecodeAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    dispatch_head_dim<scalar_t>(query, k_cache, v_cache, block_tables, context_lens, out, static_cast<float>(scale),
-                                sliding_window, static_cast<float>(logits_soft_cap));
+    pagedllm::kv::dispatch_format<scalar_t>(k_cache, query.size(2), "paged_decode_attention", [&](auto format) {
+      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, context_lens, out,
+                                                    static_cast<float>(scale), sliding_window,
+                                                    static_cast<float>(logits_soft_cap));
+    });
   });
   return out;
 }

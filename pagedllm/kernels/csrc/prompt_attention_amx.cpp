@@ -14,7 +14,8 @@
 //           side by side: the B operand of S = Q K^T, 32 dimensions x 16 keys per tile
 //   values  [L/2][D][2]: for each key pair, dimension d of both keys side by side: the B operand
 //           of O = P V, 32 keys x 16 dimensions per tile
-// (L rounded up to 64, the padding zero). A work item is 16 query rows of every query head that
+// (L rounded up to 64, the padding zero). A quantized cache (kv_formats.h) is decoded to bfloat16 as
+// it is packed, so the tiles multiply the same values the decode kernels read. A work item is 16 query rows of every query head that
 // shares one KV head: it walks its keys 64 at a time up to its last row's position, S on tiles
 // (float32 sums), then per row a running max and sum in float32 (flash attention's online
 // softmax), P rounded to bfloat16 into two A tiles, P V on tiles, added to the float32
@@ -34,6 +35,7 @@
 #include "vec_math.h"
 #include "work_order.h"
 #include "branches.h"
+#include "kv_formats.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace {
@@ -51,20 +53,38 @@ struct Item {
   int64_t first_pos;  // position of its first row
 };
 
+// One cached row as bfloat16 bits: a bfloat16 row as it is, a quantized one decoded into `buf`.
+template <typename Format>
+const uint16_t* bf16_row(const typename Format::storage_t* row, int64_t head_dim, float* decoded, uint16_t* buf) {
+  if constexpr (Format::kQuantized) {
+    Format::dequantize(row, head_dim, decoded);
+    for (int64_t d = 0; d < head_dim; ++d) buf[d] = c10::BFloat16(decoded[d]).x;
+    return buf;
+  } else {
+    return reinterpret_cast<const uint16_t*>(row);
+  }
+}
+
 // Keys and values of one (sequence, KV head) in tile layouts, read through the block table.
-void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t length,
-               int64_t padded, int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t g,
-               uint32_t* keys, uint16_t* values) {
+template <typename Format>
+void pack_head(const typename Format::storage_t* k_cache, const typename Format::storage_t* v_cache,
+               const int64_t* table, int64_t length, int64_t padded, int64_t block_size, int64_t num_kv_heads,
+               int64_t head_dim, int64_t g, uint32_t* keys, uint16_t* values) {
   const int64_t words = head_dim / 2;
+  const int64_t head_row = Format::row_elems(head_dim);
   std::memset(keys, 0, padded * head_dim * sizeof(uint16_t));
   std::memset(values, 0, padded * head_dim * sizeof(uint16_t));
+  float decoded[kMaxHeadDim];
+  alignas(4) uint16_t key_buf[kMaxHeadDim], value_buf[kMaxHeadDim];
   for (int64_t k = 0; k < length; ++k) {
     const int64_t slot = table[k / block_size] * block_size + k % block_size;
-    const int64_t offset = (slot * num_kv_heads + g) * head_dim;
-    const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + offset);
+    const int64_t offset = (slot * num_kv_heads + g) * head_row;
+    const uint16_t* kbits = bf16_row<Format>(k_cache + offset, head_dim, decoded, key_buf);
+    uint32_t krow[kMaxHeadDim / 2];
+    std::memcpy(krow, kbits, head_dim * sizeof(uint16_t));
     uint32_t* kdst = keys + (k / 16) * words * 16 + k % 16;
     for (int64_t w = 0; w < words; ++w) kdst[w * 16] = krow[w];
-    const uint16_t* vrow = v_cache + offset;
+    const uint16_t* vrow = bf16_row<Format>(v_cache + offset, head_dim, decoded, value_buf);
     uint16_t* vdst = values + (k / 2) * head_dim * 2 + k % 2;
     for (int64_t d = 0; d < head_dim; ++d) vdst[2 * d] = vrow[d];
   }
@@ -268,9 +288,9 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
                                    at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "query must be [T, Hq, D], the caches [N, block_size, Hkv, D]");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "prompt_attention_amx takes bfloat16 queries and caches");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "prompt_attention_amx takes bfloat16 queries");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "the key and value caches must have one dtype and shape");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
@@ -310,16 +330,19 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
   }
   // Uninitialised: pack_head writes every element, padding included.
   std::unique_ptr<uint16_t[]> keys(new uint16_t[offsets[batch]]), values(new uint16_t[offsets[batch]]);
-  const uint16_t* k_data = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const uint16_t* v_data = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / num_kv_heads, g = i % num_kv_heads;
-      const int64_t padded = (lens[b] + kKeys - 1) / kKeys * kKeys;
-      const int64_t offset = offsets[b] + g * padded * head_dim;
-      pack_head(k_data, v_data, tables + b * max_blocks, lens[b], padded, block_size, num_kv_heads, head_dim, g,
-                reinterpret_cast<uint32_t*>(keys.get() + offset), values.get() + offset);
-    }
+  pagedllm::kv::dispatch_format<at::BFloat16>(k_cache, head_dim, "prompt_attention_amx", [&](auto format) {
+    using Format = decltype(format);
+    const auto* k_data = pagedllm::kv::rows_of<Format>(k_cache);
+    const auto* v_data = pagedllm::kv::rows_of<Format>(v_cache);
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / num_kv_heads, g = i % num_kv_heads;
+        const int64_t padded = (lens[b] + kKeys - 1) / kKeys * kKeys;
+        const int64_t offset = offsets[b] + g * padded * head_dim;
+        pack_head<Format>(k_data, v_data, tables + b * max_blocks, lens[b], padded, block_size, num_kv_heads,
+                          head_dim, g, reinterpret_cast<uint32_t*>(keys.get() + offset), values.get() + offset);
+      }
+    });
   });
   pagedllm::interleave_by_position(items);  // an item's cost grows with its position
   const uint16_t* q_data = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());

@@ -13,7 +13,7 @@
   // State the browser test reads (window.dashboard): counts drawn, updates, render times.
   const dash = window.dashboard = {
     updates: 0, renders: 0, counts: null, chartPoints: 0, chartsDrawn: 0, lastDrawMs: 0, avgDrawMs: 0,
-    maxDrawMs: 0, connected: false, snapshot: null, error: null,
+    maxDrawMs: 0, connected: false, snapshot: null, error: null, kvInfo: null,
   };
   const drawTimes = [];
   const history = [];
@@ -117,9 +117,11 @@
     dash.snapshot = s;
     document.getElementById('title').textContent = config.title + (s.simulated ? ' (SIMULATED)' : '');
     const b = s.blocks;
+    const kv = s.kv_cache;
     document.getElementById('pool-info').textContent =
-      `${b.total.toLocaleString()} blocks × ${s.block_size} tokens · ${s.kv_allocation}` +
-      ` · KV usage ${(100 * b.used / Math.max(1, b.total)).toFixed(1)}%`;
+      `${b.total.toLocaleString()} blocks × ${s.block_size} tokens` + (kv ? ` · ${kvDtypeLabel(kv)} KV` : '') +
+      ` · ${s.kv_allocation} · KV usage ${(100 * b.used / Math.max(1, b.total)).toFixed(1)}%`;
+    renderKvInfo(s);
     const counts = drawMaps(s);
     dash.counts = counts;
     for (const [name, value] of Object.entries(counts)) {
@@ -128,6 +130,49 @@
     }
     drawCharts();
     renderRequests(s);
+  }
+
+  // ------------------------------------------------------------------ the pool's format and size
+
+  // "int8", or "auto (bfloat16)": the setting, with the dtype "auto" stores.
+  function kvDtypeLabel(kv) {
+    return kv.dtype === 'auto' && kv.storage ? `auto (${kv.storage})` : String(kv.dtype);
+  }
+
+  function formatBytes(bytes) {
+    const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+    let i = 0;
+    while (bytes >= 1024 && i < units.length - 1) { bytes /= 1024; i += 1; }
+    return i === 0 ? `${bytes} B` : `${bytes.toFixed(1)} ${units[i]}`;
+  }
+
+  function setValue(id, text, value) {
+    const el = document.getElementById(id);
+    el.textContent = text;
+    el.dataset.value = String(value);
+  }
+
+  function renderKvInfo(s) {
+    const kv = s.kv_cache || null;
+    const b = s.blocks;
+    document.getElementById('kv-dtype-item').hidden = !kv;
+    document.getElementById('kv-bytes-item').hidden = !(kv && kv.bytes_per_token);
+    if (kv) {
+      setValue('kv-dtype', kvDtypeLabel(kv), kv.dtype);
+      if (kv.bytes_per_token) {
+        setValue('kv-bytes-per-token', kv.bytes_per_token.toLocaleString(), kv.bytes_per_token);
+        const perRank = kv.tensor_parallel_size > 1 ? ', per rank' : '';
+        document.getElementById('kv-bytes-note').textContent = `(K and V, all layers, scales included${perRank})`;
+      }
+    }
+    setValue('kv-gpu-blocks', b.total.toLocaleString(), b.total);
+    const cpuBlocks = b.cpu_total || 0;
+    setValue('kv-cpu-blocks', cpuBlocks.toLocaleString(), cpuBlocks);
+    document.getElementById('kv-pool-bytes').textContent =
+      kv && kv.pool_bytes != null ? ` (${formatBytes(kv.pool_bytes)})` : '';
+    document.getElementById('kv-cpu-pool-bytes').textContent =
+      kv && kv.cpu_pool_bytes ? ` (${formatBytes(kv.cpu_pool_bytes)})` : '';
+    dash.kvInfo = kv ? { ...kv, gpu_blocks: b.total, cpu_blocks: cpuBlocks } : null;
   }
 
   // ------------------------------------------------------------------ colours

@@ -1,0 +1,227 @@
+"""Quantized KV caches (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2, int4): the kernels write the bytes the
+torch reference writes, and every attention path (the decode kernel, the chunked kernel, the AMX
+prompt kernel where it runs, the torch path a GPU takes, sliding windows and soft caps) equals
+attention over the reference's dequantized states, to float tolerance, at every kernel level."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_levels import at_path, kernel_paths
+from test_attention import AMX_HERE, _make_case, reference_attention
+
+from pagedllm.attention import AttentionMetadata, PagedAttention, write_to_cache
+from pagedllm.attention.kv_quant import FORMATS, dequantize_rows, kv_format, quantize_rows, roundtrip
+from pagedllm.config import KV_CACHE_DTYPES, CacheConfig
+from pagedllm.kernels import cpu_kernels, use_kernel_config
+from pagedllm.kernels.attention import prompt_attention_amx
+
+QUANTIZED = list(FORMATS)
+
+
+def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * 2
+    x[..., 3] *= 20  # an outlier channel, as keys have
+    return x.to(dtype)
+
+
+def test_names_follow_vllm() -> None:
+    assert kv_format("fp8").name == "fp8_e4m3"
+    assert kv_format("auto") is None
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(kv_cache_dtype="fp16")
+    from pagedllm.entrypoints.engine_flags import _KV_CACHE_DTYPES
+
+    assert _KV_CACHE_DTYPES == KV_CACHE_DTYPES
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_reference_roundtrip_error_is_bounded(name: str) -> None:
+    """Each value comes back within half a quantization step of its row (or group); zero rows stay zero."""
+    fmt = FORMATS[name]
+    x = _states(7, 3, 64)
+    rows = quantize_rows(x, fmt)
+    assert rows.dtype == fmt.storage and rows.shape == (7, 3, fmt.row_bytes(64))
+    back = dequantize_rows(rows, 64, torch.float32)
+    if name == "int4":
+        groups = x.unflatten(-1, (2, 32))
+        step = (groups.amax(-1) - groups.amin(-1)) / 15
+        bound = step.repeat_interleave(32, -1) * 0.5 + 1e-2
+    elif name == "int8":
+        bound = (x.abs().amax(-1, keepdim=True) / 127 * 0.5 + 1e-6).expand_as(x)
+    else:  # float8: relative to each value (3 or 2 mantissa bits), plus the subnormal floor of the row
+        mantissa = 3 if name == "fp8_e4m3" else 2
+        floor = x.abs().amax(-1, keepdim=True) / fmt.max_value * 2.0 ** (-6 if mantissa == 3 else -14)
+        bound = x.abs() * 2.0 ** -(mantissa + 1) + floor
+    assert ((back - x).abs() <= bound * 1.0001).all()
+    assert dequantize_rows(quantize_rows(torch.zeros(2, 64), fmt), 64, torch.float32).abs().sum() == 0
+
+
+def test_int4_needs_a_head_size_in_groups_of_32() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_rows(torch.zeros(1, 80), FORMATS["int4"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_cache_write_kernel_writes_the_reference_bytes(name: str, dtype: torch.dtype) -> None:
+    """The C++ scatter quantizes exactly as kv_quant.quantize_rows (the same float32 operations), from
+    strided rows of a fused qkv output, and leaves every other slot alone."""
+    if cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    fmt = FORMATS[name]
+    blocks, block_size, heads, dim, tokens = 6, 4, 3, 64, 5
+    row = fmt.row_bytes(dim)
+    k_cache = torch.zeros(blocks, block_size, heads, row, dtype=torch.uint8).view(fmt.storage)
+    v_cache = k_cache.clone()
+    qkv = _states(tokens, 4 * heads * dim, dtype=dtype)
+    key = qkv[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    value = _states(tokens, heads, dim, seed=1, dtype=dtype)
+    value[1] = 0  # an all-zero token
+    slots = torch.tensor([3, 17, 0, 23, 9])
+    expected_k, expected_v = k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()
+    expected_k.view(-1, heads, row).index_copy_(0, slots, quantize_rows(key, fmt).view(torch.uint8))
+    expected_v.view(-1, heads, row).index_copy_(0, slots, quantize_rows(value, fmt).view(torch.uint8))
+    write_to_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k)
+    assert torch.equal(v_cache.view(torch.uint8), expected_v)
+    with use_kernel_config(cpu_kernels=False):  # the torch path writes the same bytes
+        k_torch, v_torch = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        write_to_cache(key, value, k_torch, v_torch, slots)
+    assert torch.equal(k_torch.view(torch.uint8), expected_k)
+    assert torch.equal(v_torch.view(torch.uint8), expected_v)
+
+
+def _quantized_case(seed: int, kind: str, fmt, head_dim: int, window: int | None, num_heads=4, num_kv_heads=2,
+                    query_dtype=torch.float32):
+    """A batch over a quantized pool (scattered blocks, a released block 0 with a window), the
+    step's queries, keys and values, and the dequantized pool the reference attends over."""
+    block_size = 4
+    k_float, v_float, seqs = _make_case(seed, kind, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                        block_size=block_size, released=window is not None)
+    k_cache, v_cache = quantize_rows(k_float, fmt), quantize_rows(v_float, fmt)
+    total_new = sum(new for _, new, _ in seqs)
+    gen = torch.Generator().manual_seed(seed + 100)
+    query = torch.randn(total_new, num_heads * head_dim, generator=gen).to(query_dtype)
+    key = torch.randn(total_new, num_kv_heads * head_dim, generator=gen).to(query_dtype)
+    value = torch.randn(total_new, num_kv_heads * head_dim, generator=gen).to(query_dtype)
+    slots, starts, positions = [], [0], []
+    for cached, new, table in seqs:
+        pos = list(range(cached, cached + new))
+        positions.append(pos)
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        starts.append(starts[-1] + new)
+    max_blocks = max(len(t) for _, _, t in seqs)
+    tables = [
+        [0 if window and b < max(0, cached - window + 1) // block_size else block for b, block in enumerate(t)]
+        for cached, _, t in seqs
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_lens=[new for _, new, _ in seqs],
+        query_start_loc=starts,
+        context_lens=torch.tensor([c + n for c, n, _ in seqs]),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
+        num_cached_tokens=[c for c, _, _ in seqs],
+        max_context_len=max(c + n for c, n, _ in seqs),
+    )
+    return k_cache, v_cache, seqs, (query, key, value), meta, starts, positions
+
+
+def _check_against_reference(path: str, kind: str, name: str, head_dim: int, window=None, soft_cap=None,
+                             query_dtype=torch.float32, seeds=range(6)) -> None:
+    fmt = FORMATS[name]
+    num_heads, num_kv_heads = 4, 2
+    for seed in seeds:
+        k_cache, v_cache, seqs, (query, key, value), meta, starts, positions = _quantized_case(
+            seed, kind, fmt, head_dim, window, query_dtype=query_dtype)
+        attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
+        attn.use_cpu_kernel = path != "torch"
+        out = attn(query, key, value, (k_cache, v_cache), meta).view(-1, num_heads, head_dim)
+        # The step's rows were quantized into the pool; the reference attends over the dequantized pool.
+        k_ref = dequantize_rows(k_cache, head_dim, torch.float32)
+        v_ref = dequantize_rows(v_cache, head_dim, torch.float32)
+        expected_new = roundtrip(key.float().view(-1, num_kv_heads, head_dim), fmt)
+        assert torch.equal(k_ref.view(-1, num_kv_heads, head_dim)[meta.slot_mapping], expected_new)
+        q = query.view(-1, num_heads, head_dim)
+        for i, (_, _, table) in enumerate(seqs):
+            expected = reference_attention(q[starts[i] : starts[i + 1]].float(), k_ref, v_ref, table, positions[i],
+                                           num_heads, num_kv_heads, window, soft_cap)
+            tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_decode_reads_quantized_rows(path: str, name: str, head_dim: int) -> None:
+    """The decode kernel decodes rows in registers (head sizes 64 and 128 on the AVX-512 loops, 96 on
+    the portable ones) and the torch path dequantizes its gathered copy: both equal the reference."""
+    with at_path(path) as level:
+        _check_against_reference(path, "decode", name, head_dim)
+        if level is not None:
+            level.assert_ran("paged_decode_attention")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_mixed_batches_read_quantized_rows(path: str, invariant: bool, name: str) -> None:
+    """Decodes and prompt chunks: every row through the decode kernel (batch invariance), or the
+    chunked kernel and torch's SDPA over the dequantized context (without it)."""
+    with at_path(path) as level, use_kernel_config(batch_invariant=invariant):
+        _check_against_reference(path, "mixed", name, 64)
+        if level is not None:
+            level.assert_ran("paged_decode_attention" if invariant else "paged_chunked_attention")
+
+
+@pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_windows_and_soft_caps_over_quantized_rows(path: str, invariant: bool, name: str, window, soft_cap) -> None:
+    with at_path(path), use_kernel_config(batch_invariant=invariant):
+        _check_against_reference(path, "mixed", name, 64, window=window, soft_cap=soft_cap, seeds=range(4))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_bfloat16_queries_over_quantized_rows(name: str) -> None:
+    with use_kernel_config(batch_invariant=False):
+        _check_against_reference("cpu", "mixed", name, 64, query_dtype=torch.bfloat16, seeds=range(3))
+
+
+@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_amx_prompt_attention_reads_quantized_rows(name: str) -> None:
+    """The tile kernel decodes rows to bfloat16 as it packs them: equal to its own result over a
+    bfloat16 cache holding the same decoded values."""
+    fmt = FORMATS[name]
+    heads, kv_heads, dim, block_size, length = 4, 2, 64, 16, 150
+    k_float, v_float = _states(12, block_size, kv_heads, dim), _states(12, block_size, kv_heads, dim, seed=1)
+    k_cache, v_cache = quantize_rows(k_float, fmt), quantize_rows(v_float, fmt)
+    query = _states(length, heads, dim, seed=2, dtype=torch.bfloat16)
+    tables = torch.randperm(12)[: -(-length // block_size)].unsqueeze(0)
+    starts, lens = torch.tensor([0, length]), torch.tensor([length])
+    out = prompt_attention_amx(query, k_cache, v_cache, tables, starts, lens, dim ** -0.5)
+    k_bf16 = dequantize_rows(k_cache, dim, torch.bfloat16)
+    v_bf16 = dequantize_rows(v_cache, dim, torch.bfloat16)
+    expected = prompt_attention_amx(query, k_bf16, v_bf16, tables, starts, lens, dim ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_cache_of_another_dtype_is_refused_clearly() -> None:
+    if cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    query = torch.zeros(1, 4, 64)
+    cache = torch.zeros(4, 4, 2, 64, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="cannot serve"):
+        cpu_kernels().paged_decode_attention(query, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0)
+    short_rows = torch.zeros(4, 4, 2, 64, dtype=torch.int8)  # no room for the scale
+    with pytest.raises(RuntimeError, match="holds 68 elements"):
+        cpu_kernels().paged_decode_attention(query, short_rows, short_rows, torch.zeros(1, 1, dtype=torch.long),
+                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0)
