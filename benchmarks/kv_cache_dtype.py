@@ -10,6 +10,12 @@ positions whose top-1 token equals the top-1 under ``auto``). Long prompts run i
 whole window is attended through the quantized pool, not through the step's float keys. Prefix
 caching is off so no window reuses another's blocks.
 
+With quantized weights (the default GGUF) on a CPU with integer dot products, every linear layer's
+input is quantized to int8 per row by default; that rounding turns the KV formats' small
+perturbations into step changes of a whole int8 level, so agreement there measures the activations'
+rounding as much as the cache's. ``--int8-activations off`` keeps float activations and isolates
+the cache's error.
+
     .venv/bin/python benchmarks/kv_cache_dtype.py accuracy
     .venv/bin/python benchmarks/kv_cache_dtype.py accuracy --window 2048 \\
         --json benchmarks/results/kv_cache_dtype_accuracy.json
@@ -36,6 +42,7 @@ from pagedllm.config import canonical_kv_cache_dtype  # noqa: E402
 DATA = os.path.join(os.path.dirname(__file__), "data")
 DEFAULT_TEXTS = [os.path.join(DATA, "kv_eval_prose.txt"), os.path.join(DATA, "kv_eval_design.txt")]
 KV_DTYPES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+INT8_ACTIVATIONS = {"default": None, "on": True, "off": False}
 # (max perplexity increase over auto, min top-1 agreement with auto)
 BARS = {"int8": (0.005, 0.98), "fp8_e4m3": (0.005, 0.98), "fp8_e5m2": (0.005, 0.98), "int4": (0.03, 0.93)}
 
@@ -76,7 +83,8 @@ def accuracy(args: argparse.Namespace) -> None:
     reference_top1 = None
     for name in names:
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=name, kv_cache_memory=args.kv_cache_memory,
-                  enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, seed=0)
+                  enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, seed=0,
+                  int8_activations=INT8_ACTIVATIONS[args.int8_activations])
         if windows is None:
             windows = read_windows(llm.get_tokenizer(), args.text, args.window, args.min_window)
             windows = windows[:args.max_windows] if args.max_windows else windows
@@ -140,6 +148,9 @@ def main() -> None:
     acc.add_argument("--min-window", type=int, default=128, help="drop a shorter last window")
     acc.add_argument("--max-windows", type=int, default=0, help="use only the first N windows (0: all)")
     acc.add_argument("--kv-cache-memory", default="1GiB")
+    acc.add_argument("--int8-activations", choices=list(INT8_ACTIVATIONS), default="default",
+                     help="quantized weights' activations: the engine's default (int8 where the CPU has integer "
+                          "dot products), or float (off)")
     acc.add_argument("--max-num-seqs", type=int, default=256)
     acc.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()

@@ -69,6 +69,12 @@ def build_tiny_model(kind: str, path: str) -> str:
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rope_theta=10000.0,
             tie_word_embeddings=False, **common,
         )
+    elif kind == "llama-hd64":  # heads of 64: the kernels' vector rows, and room for int4 KV's groups of 32
+        config = LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, rope_theta=10000.0,
+            tie_word_embeddings=False, **common,
+        )
     elif kind == "qwen2":
         config = Qwen2Config(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

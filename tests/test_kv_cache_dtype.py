@@ -13,7 +13,16 @@ from kernel_levels import at_path, kernel_paths
 from test_attention import AMX_HERE, _make_case, reference_attention
 
 from pagedllm.attention import AttentionMetadata, PagedAttention, write_to_cache
-from pagedllm.attention.kv_quant import FORMATS, dequantize_rows, kv_format, quantize_rows, roundtrip
+from pagedllm.attention.kv_quant import (
+    FORMATS,
+    dequantize_rows,
+    hadamard,
+    hadamard_block,
+    kv_format,
+    quantize_rows,
+    rotation_shifts,
+    roundtrip,
+)
 from pagedllm.config import KV_CACHE_DTYPES, CacheConfig
 from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx
@@ -39,26 +48,57 @@ def test_names_follow_vllm() -> None:
     assert _KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 
+def _value_bounds(name: str, y: torch.Tensor) -> torch.Tensor:
+    """Per value of rows ``y`` as stored: half a quantization step of its row (or group of 32)."""
+    fmt = FORMATS[name]
+    if name == "int4":
+        groups = y.unflatten(-1, (-1, 32))
+        step = (groups.amax(-1) - groups.amin(-1)) / 15
+        return step.repeat_interleave(32, -1) * 0.5 + 1e-2
+    if name == "int8":
+        return (y.abs().amax(-1, keepdim=True) / 127 * 0.5 + 1e-6).expand_as(y)
+    # float8: relative to each value (3 or 2 mantissa bits), plus the subnormal floor of the row
+    mantissa = 3 if name == "fp8_e4m3" else 2
+    floor = y.abs().amax(-1, keepdim=True) / fmt.max_value * 2.0 ** (-6 if mantissa == 3 else -14)
+    return y.abs() * 2.0 ** -(mantissa + 1) + floor
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_reference_roundtrip_error_is_bounded(name: str) -> None:
-    """Each value comes back within half a quantization step of its row (or group); zero rows stay zero."""
+    """Rows are stored rotated (y = H x 2^-w), each stored value within half a quantization step; the
+    error comes back through the orthogonal rotation with its norm scaled by sqrt(block) 2^-r. Zero
+    rows stay zero."""
     fmt = FORMATS[name]
     x = _states(7, 3, 64)
     rows = quantize_rows(x, fmt)
     assert rows.dtype == fmt.storage and rows.shape == (7, 3, fmt.row_bytes(64))
+    write, read = rotation_shifts(64)
+    y = hadamard(x) * 2.0 ** -write
+    bound = _value_bounds(name, y).norm(dim=-1) * math.sqrt(hadamard_block(64)) * 2.0 ** -read
     back = dequantize_rows(rows, 64, torch.float32)
-    if name == "int4":
-        groups = x.unflatten(-1, (2, 32))
-        step = (groups.amax(-1) - groups.amin(-1)) / 15
-        bound = step.repeat_interleave(32, -1) * 0.5 + 1e-2
-    elif name == "int8":
-        bound = (x.abs().amax(-1, keepdim=True) / 127 * 0.5 + 1e-6).expand_as(x)
-    else:  # float8: relative to each value (3 or 2 mantissa bits), plus the subnormal floor of the row
-        mantissa = 3 if name == "fp8_e4m3" else 2
-        floor = x.abs().amax(-1, keepdim=True) / fmt.max_value * 2.0 ** (-6 if mantissa == 3 else -14)
-        bound = x.abs() * 2.0 ** -(mantissa + 1) + floor
-    assert ((back - x).abs() <= bound * 1.0001).all()
+    assert ((back - x).norm(dim=-1) <= bound * 1.0001).all()
     assert dequantize_rows(quantize_rows(torch.zeros(2, 64), fmt), 64, torch.float32).abs().sum() == 0
+
+
+def test_hadamard_is_its_own_inverse_up_to_the_block() -> None:
+    for head_dim in (32, 64, 80, 96, 128):
+        x = _states(5, head_dim)
+        write, read = rotation_shifts(head_dim)
+        assert write + read == hadamard_block(head_dim).bit_length() - 1
+        torch.testing.assert_close(hadamard(hadamard(x) * 2.0 ** -write) * 2.0 ** -read, x)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_rotation_spreads_an_outlier_channel(name: str) -> None:
+    """A key with one channel 40x the others (as rotary keys have): rotated rows lose several times
+    less than the same format applied to the raw row would (one scale stretched by the outlier)."""
+    fmt = FORMATS[name]
+    x = torch.randn(64, 2, 64, generator=torch.Generator().manual_seed(3))
+    x[..., 5] *= 40
+    rotated_error = (roundtrip(x, fmt) - x).norm() / x.norm()
+    bits = 127.0 if name == "int8" else 7.5
+    raw_error = ((x / (x.abs().amax(-1, keepdim=True) / bits)).round() * (x.abs().amax(-1, keepdim=True) / bits) - x)
+    assert rotated_error * 3 < raw_error.norm() / x.norm()
 
 
 def test_int4_needs_a_head_size_in_groups_of_32() -> None:

@@ -90,6 +90,35 @@ def kv_bytes_per_token(fmt: KVFormat | None, head_dim: int, num_kv_heads: int, n
     return 2 * num_layers * num_kv_heads * row
 
 
+def hadamard_block(head_dim: int) -> int:
+    """The size of the Hadamard blocks a head is rotated in: the largest power of two dividing it."""
+    return head_dim & -head_dim
+
+
+def rotation_shifts(head_dim: int) -> tuple[int, int]:
+    """(write, read): the powers of two the unnormalised transform is scaled by on each side. The
+    transform H (entries +-1, blocks of b = 2^k) satisfies H H = b I, so writing H x 2^-w and reading
+    through H q 2^-r with w + r = k gives back q . x exactly in exact arithmetic; both scalings are
+    exact in float."""
+    k = hadamard_block(head_dim).bit_length() - 1
+    return k // 2, k - k // 2
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H x over the last axis, unnormalised, in blocks of ``hadamard_block``: butterflies (a + b,
+    a - b) in the order the kernels' fwht runs them, so both round alike."""
+    head_dim = x.shape[-1]
+    block = hadamard_block(head_dim)
+    y = x.reshape(*x.shape[:-1], head_dim // block, block)
+    half = 1
+    while half < block:
+        pairs = y.unflatten(-1, (block // (2 * half), 2, half))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], -2).flatten(-3)
+        half *= 2
+    return y.reshape(x.shape)
+
+
 def _reciprocal(value: float) -> torch.Tensor:
     """1 / value rounded to float32: the kernels multiply by the same constant (a division by a
     constant compiles to that product under -ffast-math, so both sides use the product)."""
@@ -103,9 +132,10 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """[..., D] float states -> [..., row_bytes] rows of ``fmt`` (in its storage dtype)."""
-    x = x.float()
     head_dim = x.shape[-1]
     check_head_dim(fmt, head_dim)
+    write_shift, _ = rotation_shifts(head_dim)
+    x = hadamard(x.float()) * 2.0 ** -write_shift
     if fmt.bits == 4:
         groups = x.unflatten(-1, (head_dim // INT4_GROUP, INT4_GROUP))
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -131,11 +161,11 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
         packed = data[..., : head_dim // 2].unflatten(-1, (groups, 16))
         q = torch.cat([packed & 0xF, packed >> 4], -1).float()  # [..., G, 32]
         params = data[..., head_dim // 2 :].contiguous().view(torch.float16).unflatten(-1, (groups, 2)).float()
-        values = q * params[..., 0:1] + params[..., 1:2]
-        return values.flatten(-2).to(dtype)
-    values = data[..., :head_dim].view(fmt.storage).float()
-    scale = data[..., head_dim:].contiguous().view(torch.float32)
-    return (values * scale).to(dtype)
+        rotated = (q * params[..., 0:1] + params[..., 1:2]).flatten(-2)
+    else:
+        values = data[..., :head_dim].view(fmt.storage).float()
+        rotated = values * data[..., head_dim:].contiguous().view(torch.float32)
+    return (hadamard(rotated) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
 
 
 def roundtrip(x: torch.Tensor, fmt: KVFormat | None) -> torch.Tensor:

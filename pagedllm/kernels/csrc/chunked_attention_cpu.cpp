@@ -15,7 +15,8 @@
 //
 // A quantized cache (kv_formats.h) is read the same way: each key row is decoded as it is gathered
 // into the transposed buffer, and each value row of the chunk once into a small float32 buffer that
-// every lane of the tile then reads (the chunk's rows only, never the context).
+// every lane of the tile then reads (the chunk's rows only, never the context); the rows are rotated,
+// so each lane's query is rotated before the walk and its output after it.
 //
 // A sliding window W lets the query at position p see keys p - W + 1 .. p only: the tile's walk
 // starts at its first row's first key, so keys before it (blocks the block manager may have
@@ -63,6 +64,7 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
   const int64_t head_row = Format::row_elems(head_dim);  // one KV head of one token, scales included
   const int64_t row_stride = num_kv_heads * head_row;   // one slot: every KV head of one token
   const int64_t q_stride = num_heads * head_dim;       // one query token: every query head
+  const int read_shift = pagedllm::kv::read_shift(head_dim);
   // With a soft cap, queries are scaled by scale / cap so that tanh takes the dot product as is.
   const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -91,6 +93,7 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
             const scalar_t* qh = q + (item.first_row + r) * q_stride + (g * group + i) * head_dim;
             float* dst = qf.data() + (r * group + i) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(qh[d]) * q_scale;
+            if constexpr (Format::kQuantized) pagedllm::kv::hadamard(dst, head_dim, read_shift);  // rotated basis
           }
         }
         std::fill(qf.begin() + lanes * head_dim, qf.begin() + padded * head_dim, 0.f);
@@ -176,7 +179,8 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
           for (int64_t i = 0; i < group; ++i) {
             const int64_t lane = r * group + i;
             const float inv = 1.f / running_sum[lane];
-            const float* a = acc.data() + lane * head_dim;
+            float* a = acc.data() + lane * head_dim;
+            if constexpr (Format::kQuantized) pagedllm::kv::hadamard(a, head_dim, read_shift);  // back from it
             scalar_t* o = out + (item.first_row + r) * q_stride + (g * group + i) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * inv);
           }

@@ -6,7 +6,7 @@
 // the cache, so each token is two memcpy calls whatever the dtype.
 //
 // A quantized cache (kv_formats.h) takes each (token, KV head) row quantized with its scales
-// instead, the bytes kv_quant.quantize_rows would write.
+// instead (rotated, then quantized), the bytes kv_quant.quantize_rows would write.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -42,6 +42,7 @@ void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* s
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* in = src + t * stride + h * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) x[d] = static_cast<float>(in[d]);
+        if constexpr (Format::kQuantized) pagedllm::kv::hadamard(x.data(), head_dim, pagedllm::kv::write_shift(head_dim));
         Format::quantize(x.data(), head_dim, dst + (slot[t] * heads + h) * row);
       }
     }

@@ -7,6 +7,12 @@
 //   fp8_e5m2  head_dim float8 e5m2 q, float32 s    x = q * s, s = max|x| / 57344
 //   int4      head_dim / 2 bytes, then per group of 32 values float16 d and m: x = q * d + m, q in
 //             0..15; a group's byte j holds value j (low nibble) and value j + 16 (high nibble)
+// Quantized rows hold each head rotated by a Walsh-Hadamard transform H (entries +-1, in blocks of the
+// largest power of two dividing head_dim, H H = block I): an outlier channel of a key is spread over
+// every value of its row, so one scale per row fits them all. The kernels work in the rotated basis:
+// they rotate each query head once (q . k = (H q) . (H k) / block) and each output head once at the
+// end (sum p H v = H sum p v); writes are scaled by 2^-write_shift and reads by 2^-read_shift, with
+// write_shift + read_shift = log2(block), all exact in float (see kv_quant.rotation_shifts).
 // Each format gives the kernels:
 //   storage_t                    the cache's element type (a row is row_elems(head_dim) of them)
 //   dequantize(row, D, out)      the row as D float32 values (the portable path, and scratch copies)
@@ -63,6 +69,40 @@ inline float opaque(float v) {
   __asm__ volatile("" : "+m"(v));
 #endif
   return v;
+}
+
+inline int64_t hadamard_block(int64_t head_dim) { return head_dim & -head_dim; }
+
+inline int write_shift(int64_t head_dim) {
+  int k = 0;
+  while ((int64_t{1} << (k + 1)) <= hadamard_block(head_dim)) ++k;
+  return k / 2;
+}
+
+inline int read_shift(int64_t head_dim) {
+  int k = 0;
+  while ((int64_t{1} << (k + 1)) <= hadamard_block(head_dim)) ++k;
+  return k - k / 2;
+}
+
+// x <- H x * 2^-shift in place: butterflies (a + b, a - b) in the order kv_quant.hadamard runs them,
+// so the bytes written match the reference's.
+inline void hadamard(float* x, int64_t head_dim, int shift) {
+  const int64_t block = hadamard_block(head_dim);
+  for (int64_t base = 0; base < head_dim; base += block) {
+    float* y = x + base;
+    for (int64_t half = 1; half < block; half *= 2) {
+      for (int64_t j = 0; j < block; j += 2 * half) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = y[j + i], b = y[j + i + half];
+          y[j + i] = a + b;
+          y[j + i + half] = a - b;
+        }
+      }
+    }
+  }
+  const float factor = std::ldexp(1.f, -shift);
+  for (int64_t d = 0; d < head_dim; ++d) x[d] *= factor;
 }
 
 // Rows in the model's float type, read as they are.

@@ -11,7 +11,8 @@
 //
 // The cache's rows may be quantized (kv_formats.h): each key and value row is decoded in registers
 // as it is read (16 values per AVX-512 load), in float32 like a float cache's; no float copy of the
-// context is made.
+// context is made. Such rows are rotated: the query heads are rotated once before the walk and the
+// output heads once after it.
 //
 // A sliding window W limits each query to its sequence's last W positions: the walk starts at
 // position length - W, so blocks before it are never touched (the block manager may have freed
@@ -306,6 +307,7 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
   const int64_t head_row = Format::row_elems(head_dim);  // one KV head of one token, scales included
   const int64_t row_stride = num_kv_heads * head_row;   // one slot: every KV head of one token
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t<Format>));
+  const int read_shift = pagedllm::kv::read_shift(head_dim);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row_buf(head_dim);
     std::vector<float> scores;  // [Hq, length]
@@ -322,6 +324,9 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
       const scalar_t* qrow = q + b * num_heads * head_dim;
       const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * q_scale;
+      if constexpr (Format::kQuantized) {  // into the rows' rotated basis
+        for (int64_t h = 0; h < num_heads; ++h) pagedllm::kv::hadamard(qf.data() + h * head_dim, head_dim, read_shift);
+      }
       // Scores: walk the block table block by block (no division per token).
       for (int64_t pos = first; pos < context;) {
         const int64_t offset = pos % block_size;
@@ -394,6 +399,9 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
           i += rows;
         }
         pos += n;
+      }
+      if constexpr (Format::kQuantized) {  // back from the rotated basis
+        for (int64_t h = 0; h < num_heads; ++h) pagedllm::kv::hadamard(acc.data() + h * head_dim, head_dim, read_shift);
       }
       scalar_t* orow = out + b * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {

@@ -15,7 +15,8 @@
 //   values  [L/2][D][2]: for each key pair, dimension d of both keys side by side: the B operand
 //           of O = P V, 32 keys x 16 dimensions per tile
 // (L rounded up to 64, the padding zero). A quantized cache (kv_formats.h) is decoded to bfloat16 as
-// it is packed, so the tiles multiply the same values the decode kernels read. A work item is 16 query rows of every query head that
+// it is packed, so the tiles multiply the same values the decode kernels read; its rows are rotated,
+// so each query row is rotated as it is loaded and each output row as it is stored. A work item is 16 query rows of every query head that
 // shares one KV head: it walks its keys 64 at a time up to its last row's position, S on tiles
 // (float32 sums), then per row a running max and sum in float32 (flash attention's online
 // softmax), P rounded to bfloat16 into two A tiles, P V on tiles, added to the float32
@@ -175,15 +176,28 @@ inline void tile_values(const uint16_t* probs, const uint16_t* vb, int64_t head_
 // `kv_head`. Each step runs a phase for all heads before the next phase (scores, softmax, P V,
 // sums): a tile load does not take data from the store buffer, so a phase's tile loads wait for
 // the previous phase's vector stores to reach the cache, and the other heads' work fills that wait.
+// A query row into the rows' rotated basis (a quantized cache, kv_formats.h), rounded to bfloat16.
+void rotate_query(const uint16_t* q, int64_t head_dim, uint16_t* out) {
+  float x[kMaxHeadDim];
+  for (int64_t d = 0; d < head_dim; ++d) x[d] = static_cast<float>(c10::BFloat16(q[d], c10::BFloat16::from_bits()));
+  pagedllm::kv::hadamard(x, head_dim, pagedllm::kv::read_shift(head_dim));
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = c10::BFloat16(x[d]).x;
+}
+
 void attend_item(const Item& item, int64_t group, const uint16_t* query, int64_t q_stride, const uint32_t* keys,
-                 const uint16_t* values, int64_t head_dim, float scale, uint16_t* out, Scratch& s) {
+                 const uint16_t* values, int64_t head_dim, float scale, bool rotated, uint16_t* out, Scratch& s) {
   const int64_t tile_elems = kRows * head_dim;
   std::fill(s.q.begin(), s.q.end(), 0);
   for (int64_t h = 0; h < group; ++h) {
     const int64_t head = item.kv_head * group + h;
     for (int64_t r = 0; r < item.num_rows; ++r) {
-      std::memcpy(s.q.data() + h * tile_elems + r * head_dim, query + (item.first_row + r) * q_stride + head * head_dim,
-                  head_dim * sizeof(uint16_t));
+      const uint16_t* src = query + (item.first_row + r) * q_stride + head * head_dim;
+      uint16_t* dst = s.q.data() + h * tile_elems + r * head_dim;
+      if (rotated) {
+        rotate_query(src, head_dim, dst);
+      } else {
+        std::memcpy(dst, src, head_dim * sizeof(uint16_t));
+      }
     }
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
@@ -261,7 +275,8 @@ void attend_item(const Item& item, int64_t group, const uint16_t* query, int64_t
     const int64_t head = item.kv_head * group + h;
     for (int64_t r = 0; r < item.num_rows; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(s.row_sum[h * kRows + r]));
-      const float* acc = s.acc.data() + h * tile_elems + r * head_dim;
+      float* acc = s.acc.data() + h * tile_elems + r * head_dim;
+      if (rotated) pagedllm::kv::hadamard(acc, head_dim, pagedllm::kv::read_shift(head_dim));  // back from it
       uint16_t* o = out + (item.first_row + r) * q_stride + head * head_dim;
       for (int64_t d = 0; d < head_dim; d += 16) {
         const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), inv));
@@ -330,8 +345,10 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
   }
   // Uninitialised: pack_head writes every element, padding included.
   std::unique_ptr<uint16_t[]> keys(new uint16_t[offsets[batch]]), values(new uint16_t[offsets[batch]]);
+  bool rotated = false;  // a quantized cache's rows are rotated (kv_formats.h): queries and outputs follow
   pagedllm::kv::dispatch_format<at::BFloat16>(k_cache, head_dim, "prompt_attention_amx", [&](auto format) {
     using Format = decltype(format);
+    rotated = Format::kQuantized;
     const auto* k_data = pagedllm::kv::rows_of<Format>(k_cache);
     const auto* v_data = pagedllm::kv::rows_of<Format>(v_cache);
     at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -356,7 +373,7 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
       const int64_t padded = (lens[item.seq] + kKeys - 1) / kKeys * kKeys;
       const int64_t offset = offsets[item.seq] + item.kv_head * padded * head_dim;
       attend_item(item, group, q_data, q_stride, reinterpret_cast<const uint32_t*>(keys.get() + offset),
-                  values.get() + offset, head_dim, static_cast<float>(scale), o_data, scratch);
+                  values.get() + offset, head_dim, static_cast<float>(scale), rotated, o_data, scratch);
     }
     _tile_release();
   });
