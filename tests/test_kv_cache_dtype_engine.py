@@ -155,11 +155,14 @@ DEFAULT_MODEL_TEXT = (
 )
 
 
-@pytest.mark.parametrize("kv_cache_dtype, bar", [("int8", 0.97), ("fp8_e4m3", 0.9), ("int4", 0.85)])
+@pytest.mark.parametrize("kv_cache_dtype, bar", [("int8", 0.98), ("fp8_e4m3", 0.9), ("int4", 0.8)])
 def test_default_model_keeps_its_predictions(kv_cache_dtype: str, bar: float) -> None:
     """The real default model, teacher-forced over a paragraph: the quantized cache's top-1 tokens
-    agree with the model dtype's (benchmarks/kv_cache_dtype.py measures this over long texts)."""
-    auto = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    agree with the float cache's. float32 with float activations, so that the cache is the only
+    difference (bfloat16 and int8 activations round its small changes into flipped near-ties;
+    benchmarks/kv_cache_dtype.py measures every setting over long texts)."""
+    settings = dict(kv_cache_memory="64MiB", enable_prefix_caching=False, dtype="float32", int8_activations=False)
+    auto = LLM(**settings)
     tokenizer = auto.llm_engine.tokenizer
     ids = tokenizer.encode(DEFAULT_MODEL_TEXT)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -169,6 +172,6 @@ def test_default_model_keeps_its_predictions(kv_cache_dtype: str, bar: float) ->
         return [max(d, key=d.get) for d in out.prompt_logprobs[1:]]
 
     expected = top1(auto)
-    got = top1(LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
+    got = top1(LLM(**settings, kv_cache_dtype=kv_cache_dtype))
     agreement = sum(a == b for a, b in zip(got, expected, strict=True)) / len(expected)
     assert agreement >= bar, f"{kv_cache_dtype}: {agreement:.3f} of {len(expected)} positions agree"

@@ -17,17 +17,9 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, format_bytes, kv_dtype_label
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.kernels import use_kernel_config
 
 BLOCK_SIZE = 16
 KV_CACHE_MEMORY = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def torch_attention():
-    # The CPU kernels do not read quantized pools yet: the torch attention path does.
-    with use_kernel_config(cpu_kernels=False):
-        yield
 
 
 def tiny_engine(model_path: str, kv_cache_dtype: str, **overrides) -> LLMEngine:
@@ -43,7 +35,7 @@ def expected_bytes_per_token(engine: LLMEngine, kv_cache_dtype: str) -> int:
     head_dim = hf.hidden_size // hf.num_attention_heads
     if kv_cache_dtype == "auto":
         return 2 * layers * kv_heads * head_dim * torch.float32.itemsize
-    return 2 * layers * kv_heads * (head_dim + 4)  # one byte a value, a float32 scale per row
+    return 2 * layers * kv_heads * (head_dim + 2)  # one byte a value, a float16 scale per row
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +52,7 @@ def test_stats_name_the_format_and_int8_holds_more_blocks(llama_path, caplog):
     assert auto_stats["kv_cache_dtype"] == "auto" and auto_stats["kv_cache_storage"] == "float32"
     assert int8_stats["kv_cache_dtype"] == "int8" and int8_stats["kv_cache_storage"] == "int8"
     auto_bpt, int8_bpt = expected_bytes_per_token(auto, "auto"), expected_bytes_per_token(int8, "int8")
-    assert (auto_bpt, int8_bpt) == (512, 160)
+    assert (auto_bpt, int8_bpt) == (512, 144)
     assert auto_stats["kv_bytes_per_token"] == auto_bpt and int8_stats["kv_bytes_per_token"] == int8_bpt
     for engine, stats, per_token in ((auto, auto_stats, auto_bpt), (int8, int8_stats, int8_bpt)):
         assert stats["num_gpu_blocks"] == engine.num_gpu_blocks == KV_CACHE_MEMORY // (BLOCK_SIZE * per_token)
@@ -69,7 +61,7 @@ def test_stats_name_the_format_and_int8_holds_more_blocks(llama_path, caplog):
         # The pool the cache engine allocated is the size reported.
         pool = engine.worker.cache_engine.gpu_pool
         assert pool.numel() * pool.element_size() == stats["kv_gpu_pool_bytes"]
-    # The same memory holds float32 bytes / int8 bytes (3.2x) as many blocks, up to rounding.
+    # The same memory holds float32 bytes / int8 bytes (3.6x) as many blocks, up to rounding.
     ratio = auto_bpt / int8_bpt
     assert abs(int8.num_gpu_blocks - ratio * auto.num_gpu_blocks) < ratio + 1
 
@@ -112,12 +104,12 @@ def test_metrics_render_the_engine_stats(llama_path):
     assert value == 1.0
     assert labels == {"model_name": "tiny", "block_size": str(BLOCK_SIZE), "cache_dtype": "int8",
                       "cache_storage_dtype": "int8", "num_gpu_blocks": str(engine.num_gpu_blocks),
-                      "num_cpu_blocks": "0", "kv_bytes_per_token": "160"}
-    assert scraped(text, "kv_cache_bytes_per_token") == [({"model_name": "tiny"}, 160.0)]
+                      "num_cpu_blocks": "0", "kv_bytes_per_token": "144"}
+    assert scraped(text, "kv_cache_bytes_per_token") == [({"model_name": "tiny"}, 144.0)]
     assert scraped(text, "num_gpu_blocks") == [({"model_name": "tiny"}, float(engine.num_gpu_blocks))]
     assert scraped(text, "num_cpu_blocks") == [({"model_name": "tiny"}, 0.0)]
-    assert scraped(text, "kv_cache_block_bytes") == [({"model_name": "tiny"}, 160.0 * BLOCK_SIZE)]
-    pool_bytes = 160.0 * BLOCK_SIZE * engine.num_gpu_blocks
+    assert scraped(text, "kv_cache_block_bytes") == [({"model_name": "tiny"}, 144.0 * BLOCK_SIZE)]
+    pool_bytes = 144.0 * BLOCK_SIZE * engine.num_gpu_blocks
     assert scraped(text, "kv_cache_pool_bytes") == [({"model_name": "tiny"}, pool_bytes)]
 
 
@@ -147,12 +139,12 @@ def test_server_metrics_and_dashboard_state_of_an_int8_engine(llama_path):
         page = client.get("/dashboard").text
     [(labels, value)] = scraped(text, "cache_config_info")
     assert value == 1.0 and labels["cache_dtype"] == "int8" and labels["num_gpu_blocks"] == str(num_blocks)
-    assert scraped(text, "kv_cache_bytes_per_token")[0][1] == 160.0
+    assert scraped(text, "kv_cache_bytes_per_token")[0][1] == 144.0
     assert scraped(text, "num_gpu_blocks")[0][1] == float(num_blocks)
 
     kv = state["kv_cache"]
-    assert kv["dtype"] == "int8" and kv["storage"] == "int8" and kv["bytes_per_token"] == 160
-    assert kv["block_bytes"] == 160 * BLOCK_SIZE and kv["pool_bytes"] == 160 * BLOCK_SIZE * num_blocks
+    assert kv["dtype"] == "int8" and kv["storage"] == "int8" and kv["bytes_per_token"] == 144
+    assert kv["block_bytes"] == 144 * BLOCK_SIZE and kv["pool_bytes"] == 144 * BLOCK_SIZE * num_blocks
     assert kv["cpu_pool_bytes"] == 0
     assert state["blocks"]["total"] == num_blocks and state["blocks"]["cpu_total"] == 0
     assert 'id="kv-dtype"' in page and 'id="kv-bytes-per-token"' in page and 'id="kv-gpu-blocks"' in page

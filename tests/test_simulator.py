@@ -164,13 +164,13 @@ def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None
     from pagedllm.simulator.model_shapes import kv_row_bytes
 
     opt = get_model_shape("opt-13b")  # 40 layers x 40 KV heads, head_dim 128, fp16
-    per_row = {"auto": 256, "int8": 128 + 4, "fp8": 128 + 4, "fp8_e5m2": 128 + 4, "int4": 64 + 4 * 4}
+    per_row = {"auto": 256, "int8": 128 + 2, "fp8": 128 + 2, "fp8_e5m2": 128 + 2, "int4": 64 + 4 * 4}
     for name, row in per_row.items():
         shape = get_model_shape("opt-13b", name)
         assert shape.kv_row_bytes == row
         assert shape.kv_bytes_per_token == 2 * 40 * 40 * row
     assert get_model_shape("opt-13b", "fp8").kv_cache_dtype == "fp8_e4m3"
-    assert opt.with_kv_cache_dtype("int8").kv_bytes_per_token == 422400  # 412.5 KiB instead of 800 KiB
+    assert opt.with_kv_cache_dtype("int8").kv_bytes_per_token == 416000  # 406.25 KiB instead of 800 KiB
     # The simulator restates kv_quant's row layouts (it must not import torch): they must agree.
     for name, fmt in kv_quant.FORMATS.items():
         for head_dim in (32, 64, 96, 128, 256):
@@ -180,14 +180,14 @@ def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None
         expected = kv_quant.kv_bytes_per_token(kv_quant.kv_format(name), 64, 3, 30, torch.float32)
         assert small.kv_bytes_per_token == expected
     odd = {"hidden_size": 480, "num_attention_heads": 10, "num_hidden_layers": 2, "vocab_size": 100}  # head_dim 48
-    assert shape_from_hf_config(odd, kv_cache_dtype="int8").kv_row_bytes == 52
+    assert shape_from_hf_config(odd, kv_cache_dtype="int8").kv_row_bytes == 50
     with pytest.raises(ValueError, match="multiple of 32"):
         shape_from_hf_config(odd, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         get_model_shape("opt-13b", "int3")
 
 
-def test_int8_kv_pool_holds_1_94x_the_blocks_of_fp16_in_the_same_memory() -> None:
+def test_int8_kv_pool_holds_1_97x_the_blocks_of_fp16_in_the_same_memory() -> None:
     hw = get_hardware("a100-40gb")
     fp16, int8 = get_model_shape("opt-13b"), get_model_shape("opt-13b", "int8")
     # The same bytes for KV either way: weights and activations stay fp16.
@@ -196,16 +196,16 @@ def test_int8_kv_pool_holds_1_94x_the_blocks_of_fp16_in_the_same_memory() -> Non
     blocks_fp16 = kv_pool_blocks(fp16, hw, 16, 2560)
     blocks_int8 = kv_pool_blocks(int8, hw, 16, 2560)
     assert blocks_fp16 == int(free // (16 * 819200))  # 961 with today's weight and activation estimates
-    assert blocks_int8 == int(free // (16 * 422400))  # 1865
-    assert blocks_int8 / blocks_fp16 == pytest.approx(256 / 132, rel=2e-3)  # 1.94x, less one floor
+    assert blocks_int8 == int(free // (16 * 416000))
+    assert blocks_int8 / blocks_fp16 == pytest.approx(256 / 130, rel=2e-3)  # 1.97x, less one floor
 
 
 def test_int8_kv_halves_the_decode_kv_read_time() -> None:
     hw = get_hardware("a100-40gb")
     fp16 = CostModel.from_hardware(get_model_shape("opt-13b"), hw)
     int8 = CostModel.from_hardware(get_model_shape("opt-13b"), hw, kv_cache_dtype="int8")
-    assert int8.per_kv_token_read_s == pytest.approx(fp16.per_kv_token_read_s * 132 / 256, rel=1e-12)
-    assert int8.per_kv_token_read_s == pytest.approx(422400 / (hw.mem_bandwidth * 0.8), rel=1e-12)
+    assert int8.per_kv_token_read_s == pytest.approx(fp16.per_kv_token_read_s * 130 / 256, rel=1e-12)
+    assert int8.per_kv_token_read_s == pytest.approx(416000 / (hw.mem_bandwidth * 0.8), rel=1e-12)
     assert int8.fixed_s == fp16.fixed_s  # the weights are streamed as before
     assert "kv int8" in int8.source and "kv" not in fp16.source.split("(")[1]
     # A memory-bound decode step of 64 sequences x 1000 tokens of context: only its KV reads shrink.
@@ -213,7 +213,7 @@ def test_int8_kv_halves_the_decode_kv_read_time() -> None:
     kv_fp16 = fp16.step_time(step) - fp16.step_time(empty)
     kv_int8 = int8.step_time(step) - int8.step_time(empty)
     assert kv_fp16 == pytest.approx(64_000 * 819200 / (hw.mem_bandwidth * 0.8), rel=1e-9)
-    assert kv_int8 / kv_fp16 == pytest.approx(132 / 256, rel=1e-9)
+    assert kv_int8 / kv_fp16 == pytest.approx(130 / 256, rel=1e-9)
     assert int8.per_copy_token_s < fp16.per_copy_token_s and int8.per_swap_token_s < fp16.per_swap_token_s
 
 
@@ -247,10 +247,10 @@ def test_simulate_cli_kv_cache_dtype(tmp_path, capsys) -> None:
                               "--kv-cache-dtype", "int8", "--json", str(out)])
     assert args.func(args) == 0
     [row] = json.loads(out.read_text())
-    assert (row["kv_cache_dtype"], row["kv_bytes_per_token"]) == ("int8", 422400)
+    assert (row["kv_cache_dtype"], row["kv_bytes_per_token"]) == ("int8", 416000)
     assert row["num_gpu_blocks"] == kv_pool_blocks(get_model_shape("opt-13b", "int8"), get_hardware("a100-40gb"),
                                                    16, 2560)
     printed = capsys.readouterr().out
-    assert "KV int8 (412.5 KiB/token)" in printed and f"{row['num_gpu_blocks']} KV blocks" in printed
+    assert "KV int8 (406.25 KiB/token)" in printed and f"{row['num_gpu_blocks']} KV blocks" in printed
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "--kv-cache-dtype", "int3"])

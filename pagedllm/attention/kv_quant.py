@@ -7,9 +7,9 @@ and beam forks move them with the block, and the pool's bytes per block account 
 
 | format     | values                           | scales after the values               | row bytes (D = 64) |
 |------------|----------------------------------|---------------------------------------|--------------------|
-| int8       | D int8, round(x / s)             | float32 s = max|x| / 127              | 68                 |
-| fp8_e4m3   | D float8 e4m3 (x / s)            | float32 s = max|x| / 448              | 68                 |
-| fp8_e5m2   | D float8 e5m2 (x / s)            | float32 s = max|x| / 57344            | 68                 |
+| int8       | D int8, round(x / s)             | float16 s = max|x| / 127              | 66                 |
+| fp8_e4m3   | D float8 e4m3 (x / s)            | float16 s = max|x| / 448              | 66                 |
+| fp8_e5m2   | D float8 e5m2 (x / s)            | float16 s = max|x| / 57344            | 66                 |
 | int4       | D / 2 bytes, q in 0..15          | per group of 32: float16 d, float16 m | 40                 |
 
 int4 is asymmetric per group of 32 values (x = d * q + m, llama.cpp's Q4_1 rule); a group's byte j
@@ -31,7 +31,7 @@ import torch
 from pagedllm.config import canonical_kv_cache_dtype
 
 INT4_GROUP = 32
-_SCALE_BYTES = 4
+_SCALE_BYTES = 2  # a float16 scale: values are quantized against it as stored
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
         packed = q[..., :16] | (q[..., 16:] << 4)
         params = torch.cat([d, m], -1).view(torch.uint8)  # [..., G, 4]: d then m, little-endian halves
         return torch.cat([packed.flatten(-2), params.flatten(-2)], -1)
-    scale = x.abs().amax(-1, keepdim=True) * _reciprocal(fmt.max_value)
-    scaled = (x * _inverse(scale)).clamp(-fmt.max_value, fmt.max_value)
+    scale = (x.abs().amax(-1, keepdim=True) * _reciprocal(fmt.max_value)).clamp(max=65504).half()
+    scaled = (x * _inverse(scale.float())).clamp(-fmt.max_value, fmt.max_value)
     values = scaled.round().to(torch.int8) if fmt.storage == torch.int8 else scaled.to(fmt.storage)
     return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], -1).view(fmt.storage)
 
@@ -164,7 +164,7 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
         rotated = (q * params[..., 0:1] + params[..., 1:2]).flatten(-2)
     else:
         values = data[..., :head_dim].view(fmt.storage).float()
-        rotated = values * data[..., head_dim:].contiguous().view(torch.float32)
+        rotated = values * data[..., head_dim:].contiguous().view(torch.float16).float()
     return (hadamard(rotated) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
 
 

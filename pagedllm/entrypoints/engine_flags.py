@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                        help="Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of free memory).")
     group.add_argument("--kv-cache-dtype", default="auto", choices=list(_KV_CACHE_DTYPES),
                        help="KV cache storage: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8 or int4, "
-                       "each with scales per token and KV head (int4: per 32 values); 8 bits hold ~1.9x the "
+                       "each with scales per token and KV head (int4: per 32 values); 8 bits hold ~1.94x the "
                        "tokens of bfloat16 in the same memory, int4 ~3.2x.")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
     group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")

@@ -22,7 +22,7 @@ class LLM:
     model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a GGUF file.
     kv_cache_memory: bytes (or "2GiB") for the KV pool; num_kv_blocks sets the block count instead.
     kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8" or "int4":
-    the KV cache in 8 or 4 bits, so the same memory holds ~1.9x / ~3.2x the tokens of bfloat16.
+    the KV cache in 8 or 4 bits, so the same memory holds ~1.94x / ~3.2x the tokens of bfloat16.
     tensor_parallel_size: split the model over this many processes (ranks); they start here, or
     come from torchrun (see pagedllm.distributed). Stop them with ``llm.llm_engine.shutdown()``
     (they also stop when this process exits).

@@ -11,14 +11,14 @@ from pagedllm.config import canonical_kv_cache_dtype
 
 # The stored formats' row layouts, as attention/kv_quant.py defines them (KVFormat.row_bytes);
 # restated here because the simulator must not import torch.
-_KV_SCALE_BYTES = 4  # 8-bit formats: one float32 scale per (token, KV head) row
+_KV_SCALE_BYTES = 2  # 8-bit formats: one float16 scale per (token, KV head) row
 _KV_INT4_GROUP = 32  # int4: values per group, each group with a float16 scale and a float16 minimum
 _KV_INT4_GROUP_BYTES = 4
 
 
 def kv_row_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of one (token, KV head) row of K or V: the model dtype's values ("auto") or a quantized
-    row with its scales, equal to kv_quant.KVFormat.row_bytes (int8 / fp8: D + 4, int4: D / 2 + 4 D / 32)."""
+    row with its scales, equal to kv_quant.KVFormat.row_bytes (int8 / fp8: D + 2, int4: D / 2 + 4 D / 32)."""
     name = canonical_kv_cache_dtype(kv_cache_dtype)
     if name == "auto":
         return head_dim * dtype_bytes

@@ -2,9 +2,9 @@
 // state for one KV head: head_dim values in the model's float type, or quantized values followed
 // by the scales that decode them (pagedllm/attention/kv_quant.py defines the layouts; the cache
 // tensor's dtype names its format):
-//   int8      head_dim int8 q, float32 s           x = q * s, s = max|x| / 127
-//   fp8_e4m3  head_dim float8 e4m3 q, float32 s    x = q * s, s = max|x| / 448
-//   fp8_e5m2  head_dim float8 e5m2 q, float32 s    x = q * s, s = max|x| / 57344
+//   int8      head_dim int8 q, float16 s           x = q * s, s = max|x| / 127
+//   fp8_e4m3  head_dim float8 e4m3 q, float16 s    x = q * s, s = max|x| / 448
+//   fp8_e5m2  head_dim float8 e5m2 q, float16 s    x = q * s, s = max|x| / 57344
 //   int4      head_dim / 2 bytes, then per group of 32 values float16 d and m: x = q * d + m, q in
 //             0..15; a group's byte j holds value j (low nibble) and value j + 16 (high nibble)
 // Quantized rows hold each head rotated by a Walsh-Hadamard transform H (entries +-1, in blocks of the
@@ -44,12 +44,6 @@
 namespace pagedllm::kv {
 
 constexpr int64_t kInt4Group = 32;
-
-inline float read_f32(const void* p) {
-  float v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -129,14 +123,15 @@ struct Plain {
 #endif
 };
 
-// One byte per value and a float32 scale after them: int8 and both float8 types.
+// One byte per value and a float16 scale after them: int8 and both float8 types. The values are
+// quantized against the scale as stored (rounded to float16), so decoding is exact to it.
 template <typename Derived>
 struct ScaledBytes {
   using storage_t = uint8_t;
   static constexpr bool kQuantized = true;
   static constexpr bool kVector = true;
-  static int64_t row_elems(int64_t head_dim) { return head_dim + 4; }
-  static float scale(const uint8_t* row, int64_t head_dim) { return read_f32(row + head_dim); }
+  static int64_t row_elems(int64_t head_dim) { return head_dim + 2; }
+  static float scale(const uint8_t* row, int64_t head_dim) { return half_to_float(row + head_dim); }
   static void dequantize(const uint8_t* row, int64_t head_dim, float* out) {
     const float s = scale(row, head_dim);
     for (int64_t d = 0; d < head_dim; ++d) out[d] = Derived::value(row[d]) * s;
@@ -144,12 +139,13 @@ struct ScaledBytes {
   static void quantize(const float* x, int64_t head_dim, uint8_t* row) {
     float top = 0.f;
     for (int64_t d = 0; d < head_dim; ++d) top = std::max(top, std::fabs(x[d]));
-    const float s = opaque(top * Derived::kInvMax);
+    const c10::Half stored(std::min(top * Derived::kInvMax, 65504.f));
+    const float s = opaque(static_cast<float>(stored));
     const float inv = s > 0.f ? 1.f / s : 0.f;  // an all-zero row stores zeros, not nan
     for (int64_t d = 0; d < head_dim; ++d) {
       row[d] = Derived::encode(std::min(std::max(x[d] * inv, -Derived::kMax), Derived::kMax));
     }
-    std::memcpy(row + head_dim, &s, sizeof s);
+    std::memcpy(row + head_dim, &stored.x, 2);
   }
 #if defined(__AVX512F__)
   static __m512 load16(const uint8_t* row, int64_t head_dim, int64_t r) {
