@@ -69,15 +69,9 @@ def _make_case(seed, kind, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4
     return k_cache, v_cache, seqs
 
 
-def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None, dtype=torch.float32):
-    num_heads, num_kv_heads, block_size = 4, 2, 4
-    k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim, released=window is not None)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    total_new = sum(new for _, new, _ in seqs)
-    query = torch.randn(total_new, num_heads * head_dim).to(dtype)
-    key = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
-    value = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
+def case_metadata(seqs, block_size: int, window=None):
+    """(meta, query starts, positions per sequence, slots) of a case's step: each sequence's new
+    tokens after its cached ones, written through its block table."""
     slots, starts, positions_per_seq = [], [0], []
     for cached, new, table in seqs:
         positions = list(range(cached, cached + new))
@@ -100,6 +94,19 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None
         num_cached_tokens=[c for c, _, _ in seqs],
         max_context_len=max(c + n for c, n, _ in seqs),
     )
+    return meta, starts, positions_per_seq, slots
+
+
+def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None, dtype=torch.float32):
+    num_heads, num_kv_heads, block_size = 4, 2, 4
+    k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim, released=window is not None)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    total_new = sum(new for _, new, _ in seqs)
+    query = torch.randn(total_new, num_heads * head_dim).to(dtype)
+    key = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
+    value = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
+    meta, starts, positions_per_seq, slots = case_metadata(seqs, block_size, window)
     attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
     attn.use_cpu_kernel = use_cpu_kernel
     out = attn(query, key, value, (k_cache, v_cache), meta).view(total_new, num_heads, head_dim)

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 from kernel_levels import at_path, kernel_paths
-from test_attention import AMX_HERE, _make_case, reference_attention
+from test_attention import AMX_HERE, _make_case, case_metadata, reference_attention
 
-from pagedllm.attention import AttentionMetadata, PagedAttention, write_to_cache
+from pagedllm.attention import PagedAttention, write_to_cache
 from pagedllm.attention.kv_quant import (
     FORMATS,
     dequantize_rows,
@@ -149,26 +149,7 @@ def _quantized_case(seed: int, kind: str, fmt, head_dim: int, window: int | None
     query = torch.randn(total_new, num_heads * head_dim, generator=gen).to(query_dtype)
     key = torch.randn(total_new, num_kv_heads * head_dim, generator=gen).to(query_dtype)
     value = torch.randn(total_new, num_kv_heads * head_dim, generator=gen).to(query_dtype)
-    slots, starts, positions = [], [0], []
-    for cached, new, table in seqs:
-        pos = list(range(cached, cached + new))
-        positions.append(pos)
-        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-        starts.append(starts[-1] + new)
-    max_blocks = max(len(t) for _, _, t in seqs)
-    tables = [
-        [0 if window and b < max(0, cached - window + 1) // block_size else block for b, block in enumerate(t)]
-        for cached, _, t in seqs
-    ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_lens=[new for _, new, _ in seqs],
-        query_start_loc=starts,
-        context_lens=torch.tensor([c + n for c, n, _ in seqs]),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
-        num_cached_tokens=[c for c, _, _ in seqs],
-        max_context_len=max(c + n for c, n, _ in seqs),
-    )
+    meta, starts, positions, _ = case_metadata(seqs, block_size, window)
     return k_cache, v_cache, seqs, (query, key, value), meta, starts, positions
 
 
