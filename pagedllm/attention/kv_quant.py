@@ -16,6 +16,13 @@ int4 is asymmetric per group of 32 values (x = d * q + m, llama.cpp's Q4_1 rule)
 holds value j in its low nibble and value j + 16 in its high one, as ggml's 4-bit blocks do, so
 that one 16-byte load gives 32 values by masking and shifting.
 
+What is quantized is the head rotated by a Walsh-Hadamard transform (``hadamard``: entries +-1, in
+blocks of the largest power of two dividing the head size): keys carry a few outlier channels
+(rotary embeddings make some 10-50x the rest), and the rotation spreads each over the whole row, so
+one scale per row (or group) fits every value. The transform is its own inverse up to the block
+size, so attention can work in the rotated basis: the kernels rotate each query head before reading
+and each output head after; ``dequantize_rows`` rotates back.
+
 The pool's torch dtype names its format (int8, float8_e4m3fn, float8_e5m2, uint8 for int4), so a
 kernel handed a cache knows how to read it. The functions here are the reference: the torch
 attention path (and CUDA) quantizes and dequantizes with them, and the CPU kernels quantize
