@@ -129,11 +129,8 @@ class CacheEngine:
         self.kv_caches = [(self.gpu_pool[layer, 0], self.gpu_pool[layer, 1]) for layer in range(shape[0])]
         # Block moves are byte copies whatever the format (torch has no indexing kernels for float8 on
         # every device); these views share the pools' memory.
-        self._gpu_bytes = self.gpu_pool.view(torch.uint8) if self.kv_format is not None else self.gpu_pool
-        self._cpu_bytes = (
-            self.cpu_pool.view(torch.uint8) if self.kv_format is not None and self.cpu_pool is not None
-            else self.cpu_pool
-        )
+        self._gpu_bytes = self.gpu_pool.view(torch.uint8)
+        self._cpu_bytes = None if self.cpu_pool is None else self.cpu_pool.view(torch.uint8)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) pair, all layers, K and V, in one indexing op."""
