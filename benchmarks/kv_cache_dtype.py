@@ -20,6 +20,13 @@ the cache's error.
     .venv/bin/python benchmarks/kv_cache_dtype.py accuracy --window 2048 \\
         --json benchmarks/results/kv_cache_dtype_accuracy.json
 
+Each quantized cache stores keys less the model's mean key (attention/key_offset.py, measured at
+start-up). ``--without-key-offset int4 ...`` also runs those dtypes without it, as rows named
+``int4/no-offset``, to show what the offset buys:
+
+    .venv/bin/python benchmarks/kv_cache_dtype.py accuracy --int8-activations off \
+        --kv-cache-dtypes auto int8 fp8 int4 --without-key-offset fp8 int4
+
 Bars printed: perplexity within +0.5% of auto and agreement >= 98% for the 8-bit types (int8,
 fp8_e4m3, fp8_e5m2); within +3% and >= 93% for int4.
 """
@@ -37,6 +44,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.attention import key_offset  # noqa: E402
 from pagedllm.config import canonical_kv_cache_dtype  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -73,16 +81,24 @@ def teacher_forced(llm: LLM, windows: list[list[int]]) -> tuple[list[list[float]
     return logprobs, top1, elapsed
 
 
+NO_OFFSET = "/no-offset"
+
+
 def accuracy(args: argparse.Namespace) -> None:
     names = [canonical_kv_cache_dtype(name) for name in args.kv_cache_dtypes]
     if "auto" in names:
         names.remove("auto")
     names.insert(0, "auto")  # the reference runs first
+    names += [canonical_kv_cache_dtype(name) + NO_OFFSET for name in args.without_key_offset]
+    calibration_tokens = key_offset.CALIBRATION_TOKENS
     windows = None
     results: dict[str, dict] = {}
     reference_top1 = None
     for name in names:
-        llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=name, kv_cache_memory=args.kv_cache_memory,
+        # No calibration tokens: the worker sets no key offset.
+        key_offset.CALIBRATION_TOKENS = 0 if name.endswith(NO_OFFSET) else calibration_tokens
+        llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=name.removesuffix(NO_OFFSET),
+                  kv_cache_memory=args.kv_cache_memory,
                   enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, seed=0,
                   int8_activations=INT8_ACTIVATIONS[args.int8_activations])
         if windows is None:
@@ -121,7 +137,7 @@ def accuracy(args: argparse.Namespace) -> None:
         res["perplexity_vs_auto"] = rel
         res["mean_abs_logprob_delta"] = sum(abs(a - b) for a, b in zip(res["logprobs"], base_lp)) / len(base_lp)
         bar, verdict = "", ""
-        if name in BARS:
+        if name in BARS:  # the engine as it runs; the no-offset rows are for comparison
             max_rel, min_agree = BARS[name]
             ok = rel <= max_rel and res["agreement"] >= min_agree
             verdicts[name] = ok
@@ -151,6 +167,8 @@ def main() -> None:
     acc.add_argument("--int8-activations", choices=list(INT8_ACTIVATIONS), default="default",
                      help="quantized weights' activations: the engine's default (int8 where the CPU has integer "
                           "dot products), or float (off)")
+    acc.add_argument("--without-key-offset", nargs="*", default=[], metavar="KV_DTYPE",
+                     help="also run these quantized dtypes with no key offset (rows named DTYPE/no-offset)")
     acc.add_argument("--max-num-seqs", type=int, default=256)
     acc.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()

@@ -106,13 +106,20 @@ def test_int4_needs_a_head_size_in_groups_of_32() -> None:
         quantize_rows(torch.zeros(1, 80), FORMATS["int4"])
 
 
+@pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_cache_write_kernel_writes_the_reference_bytes(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("path", [p for p in kernel_paths() if p != "torch"])
+def test_cache_write_kernel_writes_the_reference_bytes(path: str, name: str, dtype: torch.dtype,
+                                                       with_offset: bool) -> None:
     """The C++ scatter quantizes exactly as kv_quant.quantize_rows (the same float32 operations), from
-    strided rows of a fused qkv output, and leaves every other slot alone."""
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    strided rows of a fused qkv output, less the key offset when there is one, and leaves every other
+    slot alone; the torch path writes the same bytes."""
+    with at_path(path):
+        _check_cache_write(name, dtype, with_offset)
+
+
+def _check_cache_write(name: str, dtype: torch.dtype, with_offset: bool) -> None:
     fmt = FORMATS[name]
     blocks, block_size, heads, dim, tokens = 6, 4, 3, 64, 5
     row = fmt.row_bytes(dim)
@@ -123,15 +130,16 @@ def test_cache_write_kernel_writes_the_reference_bytes(name: str, dtype: torch.d
     value = _states(tokens, heads, dim, seed=1, dtype=dtype)
     value[1] = 0  # an all-zero token
     slots = torch.tensor([3, 17, 0, 23, 9])
+    offset = _states(heads, dim, seed=2) if with_offset else None
     expected_k, expected_v = k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()
-    expected_k.view(-1, heads, row).index_copy_(0, slots, quantize_rows(key, fmt).view(torch.uint8))
+    expected_k.view(-1, heads, row).index_copy_(0, slots, quantize_rows(key, fmt, offset).view(torch.uint8))
     expected_v.view(-1, heads, row).index_copy_(0, slots, quantize_rows(value, fmt).view(torch.uint8))
-    write_to_cache(key, value, k_cache, v_cache, slots)
+    write_to_cache(key, value, k_cache, v_cache, slots, offset)
     assert torch.equal(k_cache.view(torch.uint8), expected_k)
     assert torch.equal(v_cache.view(torch.uint8), expected_v)
     with use_kernel_config(cpu_kernels=False):  # the torch path writes the same bytes
         k_torch, v_torch = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-        write_to_cache(key, value, k_torch, v_torch, slots)
+        write_to_cache(key, value, k_torch, v_torch, slots, offset)
     assert torch.equal(k_torch.view(torch.uint8), expected_k)
     assert torch.equal(v_torch.view(torch.uint8), expected_v)
 
@@ -154,7 +162,10 @@ def _quantized_case(seed: int, kind: str, fmt, head_dim: int, window: int | None
 
 
 def _check_against_reference(path: str, kind: str, name: str, head_dim: int, window=None, soft_cap=None,
-                             query_dtype=torch.float32, seeds=range(6)) -> None:
+                             query_dtype=torch.float32, seeds=range(6), key_offset: bool = False) -> None:
+    """With ``key_offset`` the layer subtracts one from the step's keys (the context rows stand for
+    keys stored less it) and the reference also attends over the keys with it added back: softmax
+    does not see it."""
     fmt = FORMATS[name]
     num_heads, num_kv_heads = 4, 2
     for seed in seeds:
@@ -162,12 +173,16 @@ def _check_against_reference(path: str, kind: str, name: str, head_dim: int, win
             seed, kind, fmt, head_dim, window, query_dtype=query_dtype)
         attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
         attn.use_cpu_kernel = path != "torch"
+        offset = _states(num_kv_heads, head_dim, seed=seed + 7) if key_offset else None
+        attn.key_offset = offset
         out = attn(query, key, value, (k_cache, v_cache), meta).view(-1, num_heads, head_dim)
         # The step's rows were quantized into the pool; the reference attends over the dequantized pool.
         k_ref = dequantize_rows(k_cache, head_dim, torch.float32)
         v_ref = dequantize_rows(v_cache, head_dim, torch.float32)
-        expected_new = roundtrip(key.float().view(-1, num_kv_heads, head_dim), fmt)
+        expected_new = roundtrip(key.float().view(-1, num_kv_heads, head_dim), fmt, offset)
         assert torch.equal(k_ref.view(-1, num_kv_heads, head_dim)[meta.slot_mapping], expected_new)
+        if offset is not None and seed % 2:
+            k_ref = k_ref + offset
         q = query.view(-1, num_heads, head_dim)
         for i, (_, _, table) in enumerate(seqs):
             expected = reference_attention(q[starts[i] : starts[i + 1]].float(), k_ref, v_ref, table, positions[i],
@@ -186,6 +201,16 @@ def test_decode_reads_quantized_rows(path: str, name: str, head_dim: int) -> Non
         _check_against_reference(path, "decode", name, head_dim)
         if level is not None:
             level.assert_ran("paged_decode_attention")
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_key_offset_is_stored_and_invisible(path: str, name: str, kind: str) -> None:
+    """Keys stored less a key offset (attention/key_offset.py): every path writes k - offset and
+    attends as over the keys themselves."""
+    with at_path(path):
+        _check_against_reference(path, kind, name, 64, key_offset=True, seeds=range(4))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -188,15 +188,21 @@ class AttentionMetadata:
 
 
 def write_to_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    key_offset: torch.Tensor | None = None,
 ) -> None:
-    """Scatter this step's keys/values ([T, Hkv, D]) into their slots."""
+    """Scatter this step's keys/values ([T, Hkv, D]) into their slots; a quantized cache stores the
+    keys less ``key_offset`` (float32 [Hkv, D], see attention/key_offset.py)."""
     if key.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
-        kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)  # quantizes for a quantized cache
+        # Quantizes for a quantized cache.
+        kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, key_offset)
         return
     fmt = cache_format(k_cache)
+    if fmt is None and key_offset is not None:
+        raise ValueError("a key offset applies to a quantized KV cache only")
     if fmt is not None:
-        key, value = quantize_rows(key, fmt).view(torch.uint8), quantize_rows(value, fmt).view(torch.uint8)
+        key = quantize_rows(key, fmt, key_offset).view(torch.uint8)
+        value = quantize_rows(value, fmt).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, row = k_cache.shape[-2], k_cache.shape[-1]
     k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key)
@@ -247,6 +253,11 @@ class PagedAttention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         # The fused C++ kernel reads blocks in place on CPU; tests switch it off to compare paths.
         self.use_cpu_kernel = True
+        # Subtracted from every key a quantized cache stores (float32 [Hkv, D], attention/key_offset.py):
+        # set by the worker's calibration pass, None for a float cache.
+        self.key_offset: torch.Tensor | None = None
+        # A key_offset.KeyStatistics while a calibration pass runs, None otherwise.
+        self.key_statistics = None
 
     def forward(
         self,
@@ -260,8 +271,10 @@ class PagedAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.key_statistics is not None:
+            self.key_statistics.add(key)
         if kv_cache is not None:
-            write_to_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            write_to_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping, self.key_offset)
         if meta is None or kv_cache is None:
             out = self._attend_new_tokens(query, key, value, meta)
         elif meta.is_all_decode:

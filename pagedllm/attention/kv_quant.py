@@ -137,12 +137,17 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
 
 
-def quantize_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """[..., D] float states -> [..., row_bytes] rows of ``fmt`` (in its storage dtype)."""
+def quantize_rows(x: torch.Tensor, fmt: KVFormat, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., D] float states -> [..., row_bytes] rows of ``fmt`` (in its storage dtype). ``offset``
+    (float32, broadcast over the leading axes: [Hkv, D] per KV head) is subtracted first: the rows
+    hold ``x - offset`` (see attention/key_offset.py)."""
     head_dim = x.shape[-1]
     check_head_dim(fmt, head_dim)
     write_shift, _ = rotation_shifts(head_dim)
-    x = hadamard(x.float()) * 2.0 ** -write_shift
+    x = x.float()
+    if offset is not None:
+        x = x - offset
+    x = hadamard(x) * 2.0 ** -write_shift
     if fmt.bits == 4:
         groups = x.unflatten(-1, (head_dim // INT4_GROUP, INT4_GROUP))
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -175,6 +180,7 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
     return (hadamard(rotated) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
 
 
-def roundtrip(x: torch.Tensor, fmt: KVFormat | None) -> torch.Tensor:
-    """``x`` as a cache of ``fmt`` gives it back (x itself for a float cache)."""
-    return x if fmt is None else dequantize_rows(quantize_rows(x, fmt), x.shape[-1], x.dtype)
+def roundtrip(x: torch.Tensor, fmt: KVFormat | None, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` as a cache of ``fmt`` gives it back (x itself for a float cache); with an ``offset``,
+    ``x - offset`` is what comes back."""
+    return x if fmt is None else dequantize_rows(quantize_rows(x, fmt, offset), x.shape[-1], x.dtype)

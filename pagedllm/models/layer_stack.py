@@ -67,6 +67,8 @@ class LayerStack:
         # The first layer's attention plans every layer's step: the plan depends only on the window.
         self.planner = attn.attn if len(set(self.windows)) == 1 else None
         self.layer_tensors: list[list[torch.Tensor]] = []
+        # Read at every step: calibration sets the key offsets after the stack is built.
+        self.attentions = [layer.self_attn.attn for layer in model.layers]
         self.linear_specs: list[int] = []
         self.linear_tensors: list[torch.Tensor] = []
         for layer, linears in zip(model.layers, layer_linears, strict=True):
@@ -117,9 +119,9 @@ class LayerStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, as the Python layers leave them."""
         tensors = []
-        for norms, (k_cache, v_cache) in zip(self.layer_tensors, kv_caches, strict=True):
+        for norms, attn, (k_cache, v_cache) in zip(self.layer_tensors, self.attentions, kv_caches, strict=True):
             tensors += norms
-            tensors += (k_cache, v_cache)
+            tensors += (k_cache, v_cache, _EMPTY if attn.key_offset is None else attn.key_offset)
         cos, sin = rope
         kernels, rows, part_tensors = plan
         return self._module.run_layer_stack(

@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pagedllm.attention.key_offset import calibrate_key_offsets
+from pagedllm.attention.kv_quant import kv_format
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.distributed.parallel_state import TensorParallelState, building_with, get_active_tp_state
 from pagedllm.models.loader import build_model
@@ -95,6 +97,10 @@ class Worker:
         self.cache_engine = CacheEngine(
             model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads
         )
+        if kv_format(cache_config.kv_cache_dtype) is not None:
+            start = time.perf_counter()
+            layers = calibrate_key_offsets(self.model, vocab_size, device, model_config.max_model_len)
+            logger.info("key offsets of %d attention layers measured in %.1f s", layers, time.perf_counter() - start)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 

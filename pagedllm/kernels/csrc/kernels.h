@@ -45,7 +45,7 @@ at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int
 at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
                           c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
-                    at::Tensor slot_mapping);
+                    at::Tensor slot_mapping, c10::optional<at::Tensor> key_offset);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool gemma);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps, bool gemma);
 at::Tensor silu_and_mul(at::Tensor x);

@@ -6,7 +6,8 @@
 // the cache, so each token is two memcpy calls whatever the dtype.
 //
 // A quantized cache (kv_formats.h) takes each (token, KV head) row quantized with its scales
-// instead (rotated, then quantized), the bytes kv_quant.quantize_rows would write.
+// instead (rotated, then quantized), the bytes kv_quant.quantize_rows would write; a key offset
+// (float32 [kv_heads, head_dim], see attention/key_offset.py) is subtracted from each key row first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -30,7 +31,8 @@ void check_states(const at::Tensor& states, const at::Tensor& cache, const char*
 
 // Every (token, KV head) row of `states` quantized into its slot of a `Format` cache.
 template <typename scalar_t, typename Format>
-void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* slot, int64_t tokens) {
+void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* slot, int64_t tokens,
+                   const float* offset) {
   const int64_t heads = states.size(1), head_dim = states.size(2);
   const int64_t row = Format::row_elems(head_dim);
   const auto* src = states.data_ptr<scalar_t>();
@@ -42,6 +44,10 @@ void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* s
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* in = src + t * stride + h * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) x[d] = static_cast<float>(in[d]);
+        if (offset != nullptr) {
+          const float* off = offset + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) x[d] -= off[d];
+        }
         if constexpr (Format::kQuantized) pagedllm::kv::hadamard(x.data(), head_dim, pagedllm::kv::write_shift(head_dim));
         Format::quantize(x.data(), head_dim, dst + (slot[t] * heads + h) * row);
       }
@@ -50,10 +56,10 @@ void quantize_into(const at::Tensor& states, at::Tensor& cache, const int64_t* s
 }
 
 void write_quantized(const at::Tensor& states, at::Tensor& cache, const int64_t* slot, int64_t tokens,
-                     const char* name) {
+                     const float* offset, const char* name) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, states.scalar_type(), "write_kv_cache", [&] {
     pagedllm::kv::dispatch_format<scalar_t>(cache, states.size(2), name, [&](auto format) {
-      quantize_into<scalar_t, decltype(format)>(states, cache, slot, tokens);
+      quantize_into<scalar_t, decltype(format)>(states, cache, slot, tokens, offset);
     });
   });
 }
@@ -67,7 +73,7 @@ at::Tensor heads_contiguous(const at::Tensor& states) {
 }  // namespace
 
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
-                    at::Tensor slot_mapping) {
+                    at::Tensor slot_mapping, c10::optional<at::Tensor> key_offset) {
   check_states(key, k_cache, "key");
   check_states(value, v_cache, "value");
   key = heads_contiguous(key);
@@ -83,11 +89,20 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Te
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
   }
+  const bool offset = key_offset.has_value() && key_offset->defined();
   if (key.scalar_type() != k_cache.scalar_type()) {
-    write_quantized(key, k_cache, slot, tokens, "key");
-    write_quantized(value, v_cache, slot, tokens, "value");
+    if (offset) {
+      TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
+                      key_offset->dim() == 2 && key_offset->size(0) == key.size(1) &&
+                      key_offset->size(1) == key.size(2),
+                  "key_offset must be a contiguous float32 [kv_heads, head_dim] = [", key.size(1), ", ",
+                  key.size(2), "] tensor, got ", key_offset->sizes());
+    }
+    write_quantized(key, k_cache, slot, tokens, offset ? key_offset->data_ptr<float>() : nullptr, "key");
+    write_quantized(value, v_cache, slot, tokens, nullptr, "value");
     return;
   }
+  TORCH_CHECK(!offset, "a key offset applies to a quantized KV cache only");
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const auto* kp = static_cast<const char*>(key.data_ptr());
   const auto* vp = static_cast<const char*>(value.data_ptr());

@@ -6,7 +6,8 @@
 // with the same arguments in the same order, so its results are bit for bit the Python layers'
 // (models/layer_stack.py decides when a model and a step qualify; tests compare the two paths).
 //
-// Per layer, 4 tensors in `layer_tensors`: input_norm_weight, post_norm_weight, k_cache, v_cache.
+// Per layer, 5 tensors in `layer_tensors`: input_norm_weight, post_norm_weight, k_cache, v_cache and
+// the key offset a quantized cache subtracts (attention/key_offset.py; empty: none).
 // Per layer, 4 linear layers in order (qkv, o, gate_up, down), each described in `linear_specs` as
 // its number of row segments, then per segment (kind, format, rows); each segment takes 2 tensors
 // of `linear_tensors`, its weight and its bias (an empty tensor: no bias). A layer's output is its
@@ -24,7 +25,7 @@
 
 namespace {
 
-constexpr int64_t kLayerTensors = 4;
+constexpr int64_t kLayerTensors = 5;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
 using namespace stack_codes;
@@ -179,7 +180,8 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
     auto query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     auto key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping,
+                   t[4].numel() ? c10::optional<at::Tensor>(t[4]) : c10::nullopt);
     at::Tensor attended;
     if (whole) {
       attended = attend(parts[0], query, k_cache, v_cache, scale, sliding_windows[i]);
