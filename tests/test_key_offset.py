@@ -53,6 +53,12 @@ def test_float_cache_keeps_no_offset(llama_dir) -> None:
     assert all(layer.key_offset is None for layer in _attention_layers(llm))
 
 
+def test_float8_cache_keeps_no_offset(llama_dir) -> None:
+    """A float8 value's step follows its own magnitude: a shared bias costs it nothing."""
+    llm = LLM(model=llama_dir, num_kv_blocks=32, block_size=BS, kv_cache_dtype="fp8")
+    assert all(layer.key_offset is None for layer in _attention_layers(llm))
+
+
 def test_no_calibration_tokens_no_offset(llama_dir, monkeypatch) -> None:
     """How benchmarks/kv_cache_dtype.py measures a cache without the offset."""
     monkeypatch.setattr(key_offset, "CALIBRATION_TOKENS", 0)

@@ -23,6 +23,10 @@ one scale per row (or group) fits every value. The transform is its own inverse 
 size, so attention can work in the rotated basis: the kernels rotate each query head before reading
 and each output head after; ``dequantize_rows`` rotates back.
 
+The integer formats quantize keys less a per-layer offset, the model's mean key
+(attention/key_offset.py): softmax does not see it, and it takes the keys' shared bias out of every
+row's range.
+
 The pool's torch dtype names its format (int8, float8_e4m3fn, float8_e5m2, uint8 for int4), so a
 kernel handed a cache knows how to read it. The functions here are the reference: the torch
 attention path (and CUDA) quantizes and dequantizes with them, and the CPU kernels quantize
@@ -49,6 +53,13 @@ class KVFormat:
     storage: torch.dtype
     bits: int
     max_value: float  # the largest |x / scale| stored (int8, fp8); unused for int4
+
+    @property
+    def integer_grid(self) -> bool:
+        """Values on an evenly spaced grid (int8, int4): one step for a whole row or group, so a bias
+        the keys share widens every value's step (attention/key_offset.py takes it out). A float8
+        value's step follows its own magnitude instead."""
+        return self.storage in (torch.int8, torch.uint8)
 
     def row_bytes(self, head_dim: int) -> int:
         """Bytes of one (token, KV head) row: values and scales."""

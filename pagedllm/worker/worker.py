@@ -97,7 +97,8 @@ class Worker:
         self.cache_engine = CacheEngine(
             model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads
         )
-        if kv_format(cache_config.kv_cache_dtype) is not None:
+        fmt = kv_format(cache_config.kv_cache_dtype)
+        if fmt is not None and fmt.integer_grid:
             start = time.perf_counter()
             layers = calibrate_key_offsets(self.model, vocab_size, device, model_config.max_model_len)
             logger.info("key offsets of %d attention layers measured in %.1f s", layers, time.perf_counter() - start)
