@@ -173,6 +173,11 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # Hub ids (models/hub.py): the branch, tag or commit; the hub cache folder (default: HF_HOME's);
+    # the GGUF file of a repo holding several (or ORG/NAME:QUANT).
+    revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
     int8_activations: bool | None = None

@@ -24,7 +24,7 @@ from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
 from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_request, parse_prompt
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.kernels.report import kernel_summary
-from pagedllm.models.loader import load_model_config, load_tokenizer
+from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
 from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import SamplingRow
 from pagedllm.sampling_params import SamplingParams
@@ -130,10 +130,13 @@ class LLMEngine:
             # A forced kernel level this CPU cannot run is refused here, before any weight loads,
             # with what the CPU lacks.
             logger.info("%s", kernel_summary())
-        model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.quantization)
+        model_config = load_model_config(
+            args.model, args.dtype, args.max_model_len, args.quantization,
+            revision=args.revision, download_dir=args.download_dir, gguf_file=args.gguf_file,
+        )
         model_config.int8_activations = args.int8_activations
         if args.tokenizer:
-            model_config.tokenizer_path = args.tokenizer
+            model_config.tokenizer_path = resolve_tokenizer_path(args.tokenizer, args.download_dir)
         tokenizer = load_tokenizer(model_config)
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:

@@ -1,4 +1,4 @@
-"""`pagedllm generate | chat | serve | simulate | dashboard` on the command line."""
+"""`pagedllm generate | chat | serve | download | models | env | simulate | dashboard` on the command line."""
 
 from __future__ import annotations
 
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    from pagedllm.entrypoints.hub_cli import add_hub_parsers
+
+    add_hub_parsers(sub)
     env = sub.add_parser("env", help="the CPU, the kernel level in use and why, each kernel's branch, torch and oneDNN")
     env.add_argument("--json", action="store_true", help="as JSON, for scripts")
     env.set_defaults(func=run_env)

@@ -12,12 +12,23 @@ from typing import Any
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
+def add_hub_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """How a hub id is fetched (also `pagedllm download`'s flags)."""
+    group.add_argument("--revision", default=None, help="Hub id: branch, tag or commit (default: main).")
+    group.add_argument("--download-dir", default=None,
+                       help="Hub id: the hub cache folder to download to and load from (default: HF_HOME's).")
+    group.add_argument("--gguf-file", default=None,
+                       help="GGUF repo (or folder): the .gguf file to load, when it holds several (or ID:QUANT).")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
     """Flags named as vLLM's; the defaults are EngineArgs' defaults."""
     group = parser.add_argument_group("engine")
     if model_flag:
-        group.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2-135M).")
-    group.add_argument("--tokenizer", default=None, help="Tokenizer folder if not the model's own.")
+        group.add_argument("--model", default=None,
+                           help="HF folder, GGUF file or hub id ORG/NAME[:QUANT] (default: embedded SmolLM2-135M).")
+    add_hub_args(group)
+    group.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id if not the model's own.")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--quantization", "-q", default=None,
                        choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf", "dequantize"],
@@ -80,6 +91,9 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
     return EngineArgs(
         model=getattr(args, "model_tag", None) or args.model,
         tokenizer=args.tokenizer,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        gguf_file=args.gguf_file,
         dtype=args.dtype,
         quantization=args.quantization,
         int8_activations=args.int8_activations,

