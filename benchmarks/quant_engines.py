@@ -122,14 +122,16 @@ class LlamaServerEngine:
     every request sets ``cache_prompt: false`` so no prompt is reused between runs."""
 
     def __init__(self, binary: str, model: str, threads: int, parallel: int, slot_tokens: int, log_path: str,
-                 extra_args: list[str] | None = None, timeout_s: float = 900.0) -> None:
+                 extra_args: list[str] | None = None, timeout_s: float = 900.0, ctx_tokens: int | None = None) -> None:
         self.name = "llama.cpp server"
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # ctx_tokens: the whole pool's size when it is set by memory (a unified cache), not by slots.
+        context = ctx_tokens if ctx_tokens is not None else parallel * slot_tokens
         command = [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-cb",
-                   "-c", str(parallel * slot_tokens), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-c", str(context), "--host", "127.0.0.1", "--port", str(self.port),
                    "--cache-ram", "0", "--no-webui", *(extra_args or [])]
         start = time.perf_counter()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)

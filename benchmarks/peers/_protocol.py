@@ -10,7 +10,9 @@ A runner script (run_ENGINE.py) calls ``main(probe=..., load=..., convert=...)``
 ``{"ready": true, "startup_s": S}`` and then reads one JSON command a line on stdin:
 ``{"cmd": "run", "workload": NAME}`` runs ``FILE[NAME]`` (``{"prompts": [[id, ...]], "max_tokens": [n, ...]}``:
 token-id prompts, greedy, exactly n new tokens each, EOS ignored) and answers
-``{"elapsed": seconds, "token_ids": [[id, ...], ...]}``; ``{"cmd": "quit"}`` ends it. Errors answer
+``{"elapsed": seconds, "token_ids": [[id, ...], ...]}`` (plus ``"stats": {...}`` when the runner's
+generate function carries a ``stats`` dict, refreshed by each run: what the engine itself reports, such
+as its KV cache size or the peak number of running requests); ``{"cmd": "quit"}`` ends it. Errors answer
 ``{"error": traceback}``. Replies go to the original stdout; everything the libraries print is sent
 to stderr (vLLM logs to stdout), so a stray print can never corrupt a reply.
 """
@@ -93,7 +95,11 @@ def serve(load: Load, args: argparse.Namespace) -> int:
             start = time.perf_counter()
             token_ids = generate(workload["prompts"], workload["max_tokens"])
             elapsed = time.perf_counter() - start
-            reply({"elapsed": elapsed, "token_ids": [[int(t) for t in ids] for ids in token_ids]})
+            message: dict[str, Any] = {"elapsed": elapsed, "token_ids": [[int(t) for t in ids] for ids in token_ids]}
+            stats = getattr(generate, "stats", None)
+            if stats is not None:
+                message["stats"] = stats
+            reply(message)
         except Exception:
             reply({"error": traceback.format_exc()})
     return 0

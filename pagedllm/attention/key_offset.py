@@ -13,8 +13,9 @@ step follows its own magnitude, so the bias costs them nothing (on the default m
 took fp8_e4m3's perplexity penalty from +0.38% to +0.71%).
 
 The offset is the mean key over positions 1.. of a calibration pass of random token ids (the first
-position is each sequence's attention sink, far from the rest). On the default model with a 4-bit
-cache it cuts the perplexity penalty about in half (benchmarks/kv_cache_dtype.py).
+position is each sequence's attention sink, far from the rest). On the default model with an int4
+cache it takes the perplexity penalty from +3.91% to +3.21% and top-1 agreement from 88.2% to 89.7%
+(benchmarks/kv_cache_dtype.py --without-key-offset int4).
 """
 
 from __future__ import annotations
