@@ -254,7 +254,7 @@ class PagedAttention(nn.Module):
         # The fused C++ kernel reads blocks in place on CPU; tests switch it off to compare paths.
         self.use_cpu_kernel = True
         # Subtracted from every key a quantized cache stores (float32 [Hkv, D], attention/key_offset.py):
-        # set by the worker's calibration pass, None for a float cache.
+        # set by the worker's calibration pass for an integer cache, None otherwise.
         self.key_offset: torch.Tensor | None = None
         # A key_offset.KeyStatistics while a calibration pass runs, None otherwise.
         self.key_statistics = None
