@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# config.py's KV_CACHE_DTYPES, kept here so that --help does not import the engine.
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+# pagedllm.config imports no torch (the package imports it first anyway), so --help stays quick.
+from pagedllm.config import KV_CACHE_DTYPES as _KV_CACHE_DTYPES
 
 
 def add_hub_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
