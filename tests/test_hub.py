@@ -267,3 +267,23 @@ def test_cli_models_lists_the_cache(hub_cache, tiny_model_factory, tmp_path, cap
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["org/tiny", "org/tiny-gguf"]
     assert f"{COMMIT[:12]} (main)" in lines[0] and "f" * 12 in lines[1]
+
+
+def test_cli_generate_runs_a_cached_hub_id_offline(hub_cache, tiny_model_factory, no_network, capsys) -> None:
+    folder = tiny_model_factory("llama")
+    cache_folder(hub_cache, "org/tiny", folder)
+    args = ["generate", "Paged memory", "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--quiet",
+            "--num-kv-blocks", "32", "--block-size", "8", "--dtype", "float32", "--num-threads", "1"]
+    assert cli_main(args + ["--model", "org/tiny"]) == 0
+    from_hub = capsys.readouterr().out.splitlines()
+    assert cli_main(args + ["--model", folder]) == 0
+    direct = capsys.readouterr().out.splitlines()
+    # The completions match; the last line is the timing summary.
+    assert from_hub[:-1] == direct[:-1] and "Paged memory" in from_hub[0]
+
+
+def test_cli_generate_not_cached_fails_cleanly(hub_cache, capsys) -> None:
+    assert cli_main(["generate", "hello", "--model", "org/missing:Q4_K_M", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'org/missing:Q4_K_M'" in err and "HF_HUB_OFFLINE" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

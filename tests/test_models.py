@@ -21,8 +21,12 @@ NUM_BLOCKS = 32
 
 
 def make_caches(model_config, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE):
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model_config.num_layers)]
+    """Each layer's pools as the model declares them: K and V, or DeepSeek's one latent row."""
+    from pagedllm.attention.kv_spec import kv_cache_spec
+
+    spec = kv_cache_spec(model_config)
+    shape = (num_blocks, block_size, spec.num_heads, spec.head_dim)
+    return [tuple(torch.zeros(shape) for _ in range(spec.num_pools)) for _ in range(model_config.num_layers)]
 
 
 class PagedBatch:
@@ -228,8 +232,9 @@ def test_gguf_names_and_dequantized_weights(default_model) -> None:
     gguf_file = read_gguf(default_model[0].gguf_file)
     assert gguf_name_to_hf("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
     assert gguf_name_to_hf("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_name_to_hf("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.gate_proj.weight"  # stacked
     with pytest.raises(ValueError, match="no counterpart"):
-        gguf_name_to_hf("blk.0.ffn_gate_exps.weight")
+        gguf_name_to_hf("blk.0.ffn_no_such_part.weight")
     names = {gguf_name_to_hf(n) for n in gguf_file.tensors}
     assert "model.layers.29.mlp.down_proj.weight" in names and "lm_head.weight" not in names  # tied
     name, tensor = next(iter_gguf_weights(gguf_file, packed=False))

@@ -29,7 +29,9 @@ A layer with a sliding window W lets the query at position p see keys p - W + 1 
 block manager may then have released blocks wholly before every layer's window, and their
 table entries point at block 0: such positions are never read by the kernels and are masked out
 in the torch paths. Attention soft-capping (Gemma 2) squashes the scores with cap * tanh(s / cap)
-before the softmax.
+before the softmax. Attention sinks (GPT-OSS) add a learned logit per head to every softmax's
+denominator, a key that is always seen and contributes no value; a layer with sinks attends through
+the torch path, whatever the device: the C++ kernels do not take sinks yet.
 """
 
 from __future__ import annotations
@@ -239,6 +241,7 @@ class PagedAttention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -251,6 +254,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # Per head: a logit joining each query's softmax denominator (GPT-OSS), loaded with the weights.
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         # The fused C++ kernel reads blocks in place on CPU; tests switch it off to compare paths.
         self.use_cpu_kernel = True
         # Subtracted from every key a quantized cache stores (float32 [Hkv, D], attention/key_offset.py):
@@ -258,6 +263,17 @@ class PagedAttention(nn.Module):
         self.key_offset: torch.Tensor | None = None
         # A key_offset.KeyStatistics while a calibration pass runs, None otherwise.
         self.key_statistics = None
+
+    @property
+    def cpu_kernels_apply(self) -> bool:
+        """Whether the C++ attention kernels may serve this layer. They do not take sinks yet: a layer
+        with sinks always attends through the torch path (the C++ layer loop refuses it too)."""
+        return self.use_cpu_kernel and self.sinks is None
+
+    @property
+    def _plain_scores(self) -> bool:
+        """Whether torch's fused SDPA computes this layer's softmax: no soft cap, no sinks."""
+        return self.logits_soft_cap is None and self.sinks is None
 
     def forward(
         self,
@@ -308,13 +324,13 @@ class PagedAttention(nn.Module):
         num_new, total = q.shape[2], k.shape[2]
         window = self.sliding_window
         pad_q = pad_k = 0
-        if self.logits_soft_cap is None:  # the fused kernel's path
+        if self._plain_scores:  # the fused kernel's path
             pad_q, pad_k = _sdpa_padding(q, num_new), _sdpa_padding(q, total)
             if pad_q or pad_k:
                 q = F.pad(q, (0, 0, 0, pad_q))
                 k = F.pad(k, (0, 0, 0, pad_k))
                 v = F.pad(v, (0, 0, 0, pad_k))
-        if num_cached == 0 and (window is None or window >= total) and self.logits_soft_cap is None:
+        if num_cached == 0 and (window is None or window >= total) and self._plain_scores:
             # Causal from the top left: a query never sees the keys padded after the last one.
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
@@ -338,7 +354,8 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Decodes and prompt chunks in one batch (each chunk after its cached context)."""
-        if self.use_cpu_kernel and query.device.type == "cpu":
+        # A layer with sinks skips the C++ kernels (they do not take sinks yet): the torch path below.
+        if self.cpu_kernels_apply and query.device.type == "cpu":
             if batch_invariant() and cpu_kernels() is not None:  # each row as a decode (meta.per_row)
                 out = self._decode(query, kv_cache, meta.per_row)
             else:
@@ -448,22 +465,28 @@ class PagedAttention(nn.Module):
         )
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T * scale [soft-capped], masked) v over [B, H, q, D] / [B, Hkv, L, D]."""
-        if self.logits_soft_cap is None:
+        """softmax(q k^T * scale [soft-capped], masked [, sinks]) v over [B, H, q, D] / [B, Hkv, L, D]."""
+        if self._plain_scores:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2))
         cap = self.logits_soft_cap
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (self.scale / cap)) * cap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        scores = scores * self.scale if cap is None else torch.tanh(scores * (self.scale / cap)) * cap
+        scores = scores.masked_fill(~mask, float("-inf")).float()
+        if self.sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+        # The sink as one more column of every row: it takes its share of the denominator, then is dropped.
+        sink = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), v)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query per sequence, attending over its blocks (the last W positions with a window)."""
-        if self.use_cpu_kernel:
+        if self.cpu_kernels_apply:  # not with sinks: the C++ decode kernel does not take them yet
             out = paged_decode_attention(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, self.scale,
                 self.sliding_window or 0, self.logits_soft_cap or 0.0,

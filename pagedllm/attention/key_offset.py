@@ -53,7 +53,8 @@ class KeyStatistics:
 
 def offset_layers(model: nn.Module) -> list[PagedAttention]:
     """The attention layers whose softmax a key offset leaves unchanged."""
-    return [m for m in model.modules() if isinstance(m, PagedAttention) and m.logits_soft_cap is None]
+    return [m for m in model.modules()
+            if isinstance(m, PagedAttention) and m.logits_soft_cap is None and m.sinks is None]
 
 
 @torch.inference_mode()

@@ -30,11 +30,13 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tie_default))
         # tanh soft-capping of the final logits (Gemma 2); None: plain logits.
         self.final_logit_softcapping: float | None = None
+        # The logits times this (Cohere's logit_scale, Granite's 1 / logits_scaling); None: plain logits.
+        self.logit_scale: float | None = None
 
-    def add_lm_head(self, width: int) -> None:
-        """The untied output projection, vocabulary-split as the embedding is."""
+    def add_lm_head(self, width: int, bias: bool = False) -> None:
+        """The untied output projection, vocabulary-split as the embedding is (with a bias: Phi-2)."""
         if not self.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(self.config.vocab_size, width)
+            self.lm_head = ParallelLMHead(self.config.vocab_size, width, bias=bias)
 
     def backbone(self) -> nn.Module:
         raise NotImplementedError
@@ -63,6 +65,8 @@ class CausalLM(nn.Module):
         """Logits [N, vocab] in the model's dtype (soft-capped ones in float32); under tensor
         parallelism only rank 0 gets them (None elsewhere)."""
         logits = lm_logits(hidden, self.logits_head())
+        if logits is not None and self.logit_scale is not None:
+            logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
         if logits is not None and cap:
             logits = torch.tanh(logits.float() / cap) * cap

@@ -7,26 +7,28 @@ boundaries in the metadata.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.distributed.parallel_state import all_reduce
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
 from pagedllm.models.families import DecoderSettings, decoder_settings
 from pagedllm.models.layer_stack import LayerStack, build_layer_stack, weights_key
-from pagedllm.models.layers import ActAndMul, get_activation, make_norm
+from pagedllm.models.layers import HeadLayerNorm, get_activation, make_norm
+from pagedllm.models.moe import GatedMLP, SparseMoE, split_fused_experts
 from pagedllm.models.parallel_layers import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pagedllm.models.rotary import RotaryEmbedding, rotate_heads
+from pagedllm.quantization.packed import PackedTensor
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -43,11 +45,13 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * s.head_dim
         self.kv_size = self.num_kv_heads * s.head_dim
         self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
-        self.q_norm = make_norm(s.family.norm, s.head_dim, s.norm_eps) if s.family.qk_norm else None
-        self.k_norm = make_norm(s.family.norm, s.head_dim, s.norm_eps) if s.family.qk_norm else None
+        self.q_norm, self.k_norm = _qk_norms(s, self.qkv_proj)
+        self.norm_projection = s.qk_norm == "projection"  # OLMo 2: q (k) normed as a whole, before the heads
+        self.use_rope = s.layer_rope[layer]
         self.attn = PagedAttention(
             self.num_heads, s.head_dim, self.num_kv_heads, scale=s.attn_scale,
             sliding_window=s.layer_windows[layer], logits_soft_cap=s.attn_softcap,
+            sinks=s.family.attention_sinks,
         )
 
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache | None,
@@ -56,41 +60,42 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk_size = self.q_size + self.kv_size
         if self.q_norm is None:
-            # Rotate q and k in one go: they are adjacent in the fused output.
-            qk = rotate_heads(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope).view(num_tokens, qk_size)
+            qk = qkv[:, :qk_size]
+            if self.use_rope:
+                # Rotate q and k in one go: they are adjacent in the fused output.
+                qk = rotate_heads(qk.view(num_tokens, -1, self.head_dim), *rope).view(num_tokens, qk_size)
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         else:
             q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
-            q = rotate_heads(self.q_norm(q.reshape(num_tokens, -1, self.head_dim)), *rope)
-            k = rotate_heads(self.k_norm(k.reshape(num_tokens, -1, self.head_dim)), *rope)
+            if self.norm_projection:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.reshape(num_tokens, -1, self.head_dim), k.reshape(num_tokens, -1, self.head_dim)
+            if not self.norm_projection:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.use_rope:
+                q, k = rotate_heads(q, *rope), rotate_heads(k, *rope)
         v = qkv[:, qk_size:]
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up in one GEMM."""
-
-    def __init__(self, s: DecoderSettings, intermediate_size: int, bias: bool) -> None:
-        super().__init__()
-        sizes = {"gate": intermediate_size, "up": intermediate_size}
-        self.gate_up_proj = MergedColumnParallelLinear(s.hidden_size, sizes, bias=bias)
-        self.gate_up_proj.gated_activation = s.activation  # lets the CPU GEMM fuse act(gate) * up
-        self.down_proj = RowParallelLinear(intermediate_size, s.hidden_size, bias=bias)
-        self.act_and_mul = ActAndMul(s.activation)
-
-    def activated(self, x: torch.Tensor) -> torch.Tensor:
-        """act(gate(x)) * up(x): one kernel when the gate/up weight is packed for it."""
-        packed = self.gate_up_proj.packed_weight
-        if isinstance(packed, GatedPanelWeight):
-            return packed.silu_and_mul(x)
-        return self.act_and_mul(self.gate_up_proj(x))
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the output, before the all-reduce (experts reduce once, together)."""
-        return dense(self.activated(x), self.down_proj, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activated(x))
+def _qk_norms(s: DecoderSettings, qkv: QKVParallelLinear) -> tuple[nn.Module | None, nn.Module | None]:
+    """The q and k norms of the shape the settings name (None, None: no q/k norms)."""
+    if s.qk_norm is None:
+        return None, None
+    if s.qk_norm != "head" and qkv.tp_size > 1:
+        # Their weights (and OLMo 2's statistics) span the heads that tensor parallelism splits.
+        raise ValueError(f"{s.family.architectures[0]}'s q/k norms (over {s.qk_norm!r}) are not supported with "
+                         "tensor parallelism.")
+    heads = (qkv.num_local_heads, qkv.num_local_kv_heads)
+    if s.qk_norm == "head":
+        q_norm, k_norm = (make_norm(s.qk_norm_kind, s.head_dim, s.norm_eps) for _ in heads)
+    elif s.qk_norm == "projection":
+        q_norm, k_norm = (make_norm(s.qk_norm_kind, n * s.head_dim, s.norm_eps) for n in heads)
+    elif s.qk_norm == "heads" and s.qk_norm_kind == "layer_nobias":
+        q_norm, k_norm = (HeadLayerNorm(n, s.head_dim, s.norm_eps) for n in heads)
+    else:
+        raise ValueError(f"q/k norms of kind {s.qk_norm_kind!r} over {s.qk_norm!r} are not implemented.")
+    return q_norm, k_norm
 
 
 class PlainMLP(nn.Module):
@@ -107,49 +112,15 @@ class PlainMLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-class SparseMoE(nn.Module):
-    """Top-k routed experts (Mixtral, Qwen3-MoE). Tokens are grouped by expert, so each expert runs
-    one GEMM over all its tokens of the step; under tensor parallelism every expert is split like
-    an MLP and the summed outputs are all-reduced once."""
-
-    def __init__(self, s: DecoderSettings) -> None:
-        super().__init__()
-        self.top_k = s.num_experts_per_token
-        self.normalize = s.normalize_expert_weights
-        # The router stays a plain float linear on every rank: quantizing it would move routing choices.
-        self.gate = nn.Linear(s.hidden_size, s.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            GatedMLP(s, s.expert_intermediate_size, bias=False) for _ in range(s.num_experts)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
-        token_weights = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = tokens[start:start + count]
-                y = expert.partial(x[rows]) * token_weights[start:start + count, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-            start += count
-        tp_state = self.experts[0].down_proj.tp_state
-        return out if tp_state.world_size == 1 else all_reduce(out, tp_state)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, s: DecoderSettings, layer: int) -> None:
         super().__init__()
         norm, hidden, eps = s.family.norm, s.hidden_size, s.norm_eps
         self.rope_key = s.layer_rope_keys[layer]
         self.parallel_residual = s.parallel_residual
+        self.shared_input_norm = s.shared_input_norm
+        self.post_norms = s.norm_placement == "post"
+        self.residual_scale = s.residual_scale
         self.self_attn = DecoderAttention(s, layer)
         if s.moe_layers[layer]:
             self.mlp: nn.Module = SparseMoE(s)
@@ -157,23 +128,31 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(s, s.intermediate_size, bias=s.mlp_bias)
         else:
             self.mlp = PlainMLP(s)
-        self.input_layernorm = make_norm(norm, hidden, eps)
-        self.post_attention_layernorm = make_norm(norm, hidden, eps)
+        # Only the norms the checkpoint has: loading refuses a model parameter it does not fill.
+        if not self.post_norms:
+            self.input_layernorm = make_norm(norm, hidden, eps)
+        if not self.shared_input_norm:
+            self.post_attention_layernorm = make_norm(norm, hidden, eps)
         self.sandwich = s.family.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(norm, hidden, eps)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = make_norm(norm, hidden, eps)
 
     def forward(self, ropes: dict[str | None, Rope], hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache | None, meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden, residual) -> the next layer's (hidden, residual), vLLM's form: the residual is
         carried beside the hidden state and each add is fused into the norm after it; the first
-        layer gets residual None. Parallel-residual layers take and return a plain hidden state
-        (residual None)."""
+        layer gets residual None. Parallel-residual and post-norm layers take and return a plain
+        hidden state (residual None)."""
         rope = ropes[self.rope_key]
+        if self.post_norms:
+            hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
+            return hidden + self.post_feedforward_layernorm(self.mlp(hidden)), None
         if self.parallel_residual:
-            h = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-            out = self.mlp(self.post_attention_layernorm(hidden))
+            normed = self.input_layernorm(hidden)
+            h = self.self_attn(rope, normed, kv_cache, meta)
+            out = self.mlp(normed if self.shared_input_norm else self.post_attention_layernorm(hidden))
             out += h
             out += hidden
             return out, None
@@ -186,8 +165,13 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
+        if self.residual_scale is not None:  # Granite: residual + block(x) * scale
+            h *= self.residual_scale
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        if self.residual_scale is not None:
+            out *= self.residual_scale
+        return out, residual
 
 
 def token_seq_lens(positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
@@ -256,6 +240,31 @@ def _qkv_per_head_to_stacked(tensor: torch.Tensor, num_heads: int) -> torch.Tens
     return tensor.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
+def _rope_pairs_to_halves(rotary_dim: int, head_dim: int) -> torch.Tensor:
+    """Channel order within a head that turns interleaved rope (pairs 2i, 2i + 1) into rope over halves
+    (i, i + rotary_dim / 2): q and k reordered alike keep their dot products."""
+    # On the CPU even while the model is built on the meta device: it indexes the checkpoint's tensors.
+    with torch.device("cpu"):
+        return torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                          torch.arange(rotary_dim, head_dim)))
+
+
+def _reorder_head_channels(tensor: torch.Tensor | PackedTensor, order: torch.Tensor,
+                           rows: bool) -> torch.Tensor | PackedTensor:
+    """``order`` applied within each head: to the rows of a projection (``rows``) or the last dim of a norm."""
+    if not rows:
+        return tensor[..., order]
+    if isinstance(tensor, PackedTensor):  # GGUF rows: each row's blocks move whole
+        data = tensor.data
+        data = data.reshape(-1, len(order), data.shape[1])[:, order].reshape(data.shape)
+        return dataclasses.replace(tensor, data=data)
+    return tensor.reshape(-1, len(order), *tensor.shape[1:])[:, order].reshape(tensor.shape)
+
+
+# StableLM's per-head q/k LayerNorms, one tensor per head; ours is one [heads, head_dim] weight.
+_HEAD_NORM = re.compile(r"(.*\.[qk]_layernorm)\.norms\.(\d+)\.weight")
+
+
 class DecoderForCausalLM(CausalLM):
     """Every family of families.FAMILIES (HF parameter names, mapped per family)."""
 
@@ -276,8 +285,13 @@ class DecoderForCausalLM(CausalLM):
         super().__init__(hf_config, tie_default=False)
         self.settings = decoder_settings(hf_config)
         self.model = DecoderModel(self.settings, hf_config)
-        self.add_lm_head(self.settings.hidden_size)
+        self.add_lm_head(self.settings.hidden_size, bias=self.settings.family.lm_head_bias)
         self.final_logit_softcapping = self.settings.final_softcap
+        self.logit_scale = self.settings.logit_scale
+        self._channel_order: torch.Tensor | None = None
+        if self.settings.family.rope_interleaved:
+            rotary_dim = next(iter(self.model.rotary.values())).rotary_dim
+            self._channel_order = _rope_pairs_to_halves(rotary_dim, self.settings.head_dim)
 
     def backbone(self) -> nn.Module:
         return self.model
@@ -301,4 +315,39 @@ class DecoderForCausalLM(CausalLM):
             name = "model." + name  # checkpoints of the bare backbone
         if per_head:
             tensor = _qkv_per_head_to_stacked(tensor, self.settings.num_heads)
+        if name.endswith(".self_attn.sinks"):
+            # One logit per query head (GPT-OSS), held by the attention; a rank keeps its heads' own.
+            qkv = self._qkv_of(name)
+            tensor = tensor.narrow(0, qkv.tp_rank * qkv.num_local_heads, qkv.num_local_heads)
+            return name.removesuffix("sinks") + "attn.sinks", tensor
+        if self._channel_order is not None and ".self_attn." in name:
+            kind = name.rsplit(".", 2)[-2]
+            if kind in ("q_proj", "k_proj", "q_norm", "k_norm"):
+                tensor = _reorder_head_channels(tensor, self._channel_order, rows=kind.endswith("proj"))
         return name, tensor
+
+    def _qkv_of(self, name: str) -> QKVParallelLinear:
+        """The q/k/v layer of the layer a checkpoint name (``model.layers.N. ...``) belongs to."""
+        return self.model.layers[int(name.split(".")[2])].self_attn.qkv_proj
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.settings.family.fused_experts:
+            weights = split_fused_experts(weights, self.settings.num_experts)
+        return super().load_weights(self._stack_head_norms(weights))
+
+    def _stack_head_norms(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """StableLM's per-head q/k norm tensors stacked into one (as its GGUF files and Cohere store them);
+        every other tensor as it comes. A stack left incomplete is reported by the loader as missing."""
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = _HEAD_NORM.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            stem = match.group(1)
+            parts = pending.setdefault(stem, {})
+            parts[int(match.group(2))] = tensor
+            heads = self.settings.num_heads if stem.endswith("q_layernorm") else self.settings.num_kv_heads
+            if len(parts) == heads:
+                yield f"{stem}.weight", torch.stack([parts.pop(h) for h in range(heads)])
+                del pending[stem]

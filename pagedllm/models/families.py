@@ -1,10 +1,13 @@
 """The decoder families: how each differs from Llama, as data, and the settings a config resolves to.
 
 Every family here runs on the one decoder of decoder.py. A family names its norm (RMSNorm,
-Gemma's ``1 + weight`` RMSNorm, LayerNorm), whether it has per-head q/k norms, Gemma's extra
-norms around attention and MLP, GPT-NeoX's parallel residual, a gated or plain MLP or a mixture of
-experts, embedding scaling, and how its checkpoint names map onto ours. The rest (biases,
-activation, soft-capping, sliding windows, rope) is read from the config.
+Gemma's ``1 + weight`` RMSNorm, LayerNorm with or without bias), its q/k norms (per head, a weight
+per head, or over the whole projection), where its norms sit (before each block, Gemma's extra
+norms around attention and MLP, OLMo 2's after each block), GPT-NeoX's parallel residual (with two
+input norms or, Phi and Cohere, one), a gated or plain MLP or a mixture of experts, embedding
+scaling, interleaved rope, and how its checkpoint names map onto ours. The rest (biases,
+activation, soft-capping, sliding windows, rope, Granite's and Cohere's multipliers) is read from
+the config.
 """
 
 from __future__ import annotations
@@ -19,12 +22,36 @@ from pagedllm.models.rotary import check_rope, head_dim_of, rope_layer_key
 @dataclass(frozen=True, slots=True)
 class Family:
     architectures: tuple[str, ...]
-    norm: str = "rms"  # "rms", "gemma_rms" (scales by 1 + weight) or "layer" (LayerNorm with bias)
+    # "rms", "gemma_rms" (scales by 1 + weight), "layer" (LayerNorm with bias) or "layer_nobias" (Cohere)
+    norm: str = "rms"
     qk_norm: bool = False  # a norm over each q and k head before rope (Qwen3, Gemma 3)
+    qk_norm_key: str | None = None  # the config switch for the q/k norms where the family leaves them optional
+    # "head": one weight shared by the heads; "heads": a weight per head, [heads, head_dim] (StableLM, Cohere);
+    # "projection": one RMSNorm over the whole q (k) projection, all heads together (OLMo 2).
+    qk_norm_shape: str = "head"
+    qk_norm_kind: str | None = None  # the q/k norms' kind where it is not the family's norm
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and before/after the MLP
+    # "pre": norm, then attention / MLP, then the residual add; "post" (OLMo 2): no input norm, each block's
+    # output normed before its residual add: x + norm(attn(x)), then x + norm(mlp(x)).
+    norm_placement: str = "pre"
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), if the config says so
+    shared_input_norm: bool = False  # the parallel block with one input norm: x + attn(ln(x)) + mlp(ln(x))
+    # Cohere rotates channel pairs (2i, 2i + 1); its q/k rows are reordered at load so that the rope over
+    # halves computes the same dot products (and keeps its fused kernel).
+    rope_interleaved: bool = False
+    nope_full_attention: bool = False  # Cohere 2: the full-attention layers have no rope
+    lm_head_bias: bool = False  # Phi-2
     gated_mlp: bool = True  # act(gate(x)) * up(x); False: act(up(x))
     moe: bool = False  # sparse mixture of experts in place of the MLP
+    shared_expert: bool = False  # Qwen2-MoE: an expert every token runs too, scaled by a sigmoid gate
+    # "softmax_topk": softmax over every expert, then the top k (renormalized if norm_topk_prob);
+    # "topk_softmax" (GPT-OSS): the top k router logits, then a softmax over those k.
+    routing: str = "softmax_topk"
+    router_bias: bool = False  # GPT-OSS: the router linear has a bias
+    expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down have biases
+    # GPT-OSS: experts stored fused as 3-D tensors (gate/up interleaved), split per expert at load.
+    fused_experts: bool = False
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax's denominator
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     bias_key: str = "attention_bias"  # the config switch for the attention projections' biases
     qkv_bias: bool | None = None  # fixed by the family (None: the config's bias_key)
@@ -39,6 +66,11 @@ class Family:
 
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
+# StableLM and Phi name their q/k norms apart (StableLM's per head, stacked at load: DecoderForCausalLM).
+_QK_LAYERNORM_NAMES = ((".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."))
+_PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."),
+              (".final_layernorm.", ".norm."), *_QK_LAYERNORM_NAMES)
+_GPT_OSS_NAMES = ((".mlp.router.", ".mlp.gate."),)
 _NEOX_NAMES = ((".embed_in.", ".embed_tokens."), (".attention.query_key_value.", ".self_attn.qkv_proj."),
                (".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.c_fc."),
                (".mlp.dense_4h_to_h.", ".mlp.c_proj."), (".final_layer_norm.", ".norm."),
@@ -51,6 +83,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(("Qwen2ForCausalLM",), qkv_bias=True, o_bias=False),
     "qwen3": Family(("Qwen3ForCausalLM",), qk_norm=True),
     "qwen3_moe": Family(("Qwen3MoeForCausalLM",), qk_norm=True, moe=True),
+    "qwen2_moe": Family(("Qwen2MoeForCausalLM",), moe=True, shared_expert=True, bias_key="qkv_bias", o_bias=False),
     "mixtral": Family(("MixtralForCausalLM",), moe=True, renames=_MIXTRAL_NAMES),
     "gemma": Family(("GemmaForCausalLM",), norm="gemma_rms", scale_embeddings=True),
     "gemma2": Family(("Gemma2ForCausalLM",), norm="gemma_rms", sandwich_norms=True, scale_embeddings=True),
@@ -61,6 +94,23 @@ FAMILIES: dict[str, Family] = {
                        mlp_bias=True, qkv_per_head=True, prefix="gpt_neox.", renames=_NEOX_NAMES),
     "starcoder2": Family(("Starcoder2ForCausalLM",), norm="layer", gated_mlp=False, bias_key="use_bias",
                          mlp_bias_key="use_bias"),
+    "olmo2": Family(("Olmo2ForCausalLM",), qk_norm=True, qk_norm_shape="projection", norm_placement="post"),
+    "olmo3": Family(("Olmo3ForCausalLM",), qk_norm=True, qk_norm_shape="projection", norm_placement="post"),
+    # Granite's multipliers are config settings (decoder_settings reads them for every family).
+    "granite": Family(("GraniteForCausalLM",)),
+    "stablelm": Family(("StableLmForCausalLM",), norm="layer", qk_norm_key="qk_layernorm", qk_norm_shape="heads",
+                       qk_norm_kind="layer_nobias", parallel_residual=True, shared_input_norm=True,
+                       bias_key="use_qkv_bias", o_bias=False, mlp_bias=False, renames=_QK_LAYERNORM_NAMES),
+    "phi": Family(("PhiForCausalLM",), norm="layer", qk_norm_key="qk_layernorm", parallel_residual=True,
+                  shared_input_norm=True, gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True,
+                  lm_head_bias=True, renames=_PHI_NAMES),
+    "cohere": Family(("CohereForCausalLM",), norm="layer_nobias", qk_norm_key="use_qk_norm", qk_norm_shape="heads",
+                     parallel_residual=True, shared_input_norm=True, rope_interleaved=True),
+    "cohere2": Family(("Cohere2ForCausalLM",), norm="layer_nobias", parallel_residual=True, shared_input_norm=True,
+                      rope_interleaved=True, nope_full_attention=True),
+    # Sliding and full layers alternate (layer_types); the experts' clamped SwiGLU is read from the config.
+    "gpt_oss": Family(("GptOssForCausalLM",), moe=True, routing="topk_softmax", router_bias=True, expert_bias=True,
+                      fused_experts=True, attention_sinks=True, renames=_GPT_OSS_NAMES),
 }
 
 
@@ -89,17 +139,29 @@ class DecoderSettings:
     o_bias: bool
     mlp_bias: bool
     parallel_residual: bool
+    shared_input_norm: bool  # the parallel block's one input norm (Phi, Cohere, parallel StableLM)
+    norm_placement: str  # Family.norm_placement
+    qk_norm: str | None  # the q/k norms' shape (Family.qk_norm_shape); None: no q/k norms
+    qk_norm_kind: str
     attn_scale: float
     attn_softcap: float | None
     final_softcap: float | None
     embed_scale: float | None
+    residual_scale: float | None  # Granite: each block's output times this before its residual add
+    logit_scale: float | None  # logits times this (Cohere's logit_scale; Granite divides by logits_scaling)
     layer_windows: tuple[int | None, ...]  # per layer: attend to the last W positions only
     layer_rope_keys: tuple[str | None, ...]  # per layer: which rope settings (Gemma 3: local / global)
+    layer_rope: tuple[bool, ...]  # per layer: whether q and k are rotated (Cohere 2's global layers: no)
     moe_layers: tuple[bool, ...]
     num_experts: int
     num_experts_per_token: int
     normalize_expert_weights: bool
     expert_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    # GPT-OSS's experts: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate);
+    # None: the activation's plain act(gate) * up.
+    swiglu_limit: float | None
+    swiglu_alpha: float
 
 
 def _first(config: Any, *keys: str, default: Any = None) -> Any:
@@ -120,6 +182,12 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     return (int(window) if window else None,) * num_layers
 
 
+def _multiplier(config: Any, key: str) -> float | None:
+    """A scale the config sets (Granite, Cohere); None where it is absent or 1 (nothing to multiply)."""
+    value = getattr(config, key, None)
+    return None if value is None or float(value) == 1.0 else float(value)
+
+
 def decoder_settings(config: Any) -> DecoderSettings:
     """The settings of a config's decoder; ValueError for a variant the decoder cannot express."""
     family = family_of(config)
@@ -137,12 +205,19 @@ def decoder_settings(config: Any) -> DecoderSettings:
     head_dim = head_dim_of(config)
     bias = bool(getattr(config, family.bias_key, False))
     num_experts = int(_first(config, "num_local_experts", "num_experts", default=0)) if family.moe else 0
+    shared_expert = family.shared_expert and num_experts > 0
+    shared_size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared_expert else 0
     sparse_step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
     moe_layers = tuple(
         num_experts > 0 and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(num_layers)
     )
     scalar = getattr(config, "query_pre_attn_scalar", None)
+    attn_scale = getattr(config, "attention_multiplier", None)  # Granite: the scale itself, 1.0 included
+    parallel = family.parallel_residual and bool(getattr(config, "use_parallel_residual", True))
+    has_qk_norm = family.qk_norm or bool(family.qk_norm_key and getattr(config, family.qk_norm_key, False))
+    divisor = _multiplier(config, "logits_scaling")  # Granite divides the logits by it
+    logit_scale = _multiplier(config, "logit_scale") if divisor is None else 1.0 / divisor
     return DecoderSettings(
         family=family,
         vocab_size=config.vocab_size,
@@ -157,16 +232,26 @@ def decoder_settings(config: Any) -> DecoderSettings:
         qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
         o_bias=bias if family.o_bias is None else family.o_bias,
         mlp_bias=bool(getattr(config, family.mlp_bias_key, False)) if family.mlp_bias is None else family.mlp_bias,
-        parallel_residual=family.parallel_residual and bool(getattr(config, "use_parallel_residual", True)),
-        attn_scale=float(scalar if scalar else head_dim) ** -0.5,
+        parallel_residual=parallel,
+        shared_input_norm=parallel and family.shared_input_norm,
+        norm_placement=family.norm_placement,
+        qk_norm=family.qk_norm_shape if has_qk_norm else None,
+        qk_norm_kind=family.qk_norm_kind or family.norm,
+        attn_scale=float(attn_scale) if attn_scale is not None else float(scalar if scalar else head_dim) ** -0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(config, "final_logit_softcapping", None) or None,
-        embed_scale=config.hidden_size**0.5 if family.scale_embeddings else None,
+        embed_scale=config.hidden_size**0.5 if family.scale_embeddings else _multiplier(config, "embedding_multiplier"),
+        residual_scale=_multiplier(config, "residual_multiplier"),
+        logit_scale=logit_scale,
         layer_windows=layer_windows(config),
         layer_rope_keys=rope_keys,
+        layer_rope=tuple(not (family.nope_full_attention and kind != "sliding_attention") for kind in layer_types),
         moe_layers=moe_layers,
         num_experts=num_experts,
         num_experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
         normalize_expert_weights=bool(getattr(config, "norm_topk_prob", True)),
         expert_intermediate_size=int(_first(config, "moe_intermediate_size", "intermediate_size", default=0)),
+        shared_expert_intermediate_size=shared_size,
+        swiglu_limit=float(config.swiglu_limit) if getattr(config, "swiglu_limit", None) is not None else None,
+        swiglu_alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
     )

@@ -8,9 +8,10 @@ arguments in the same order, so its outputs equal the Python layers' bit for bit
 the step's plan (``PagedAttention.cpu_plan``); steps whose plan gives a sequence to torch's SDPA
 (float32 prompts), or splits the batch into scattered rows, stay on the Python layers, as does
 everything else the loop does not reproduce (GPUs, weights multiplied by torch or oneDNN, tensor
-parallelism, other norms, q/k norms, MoE, soft caps, parallel residuals, rope depending on sequence
-length, per-layer windows in a step with prompts). Weights may be our float panels or quantized
-rows (int8 tiles, packed blocks, float segments, mixed within a layer as GGUF files mix them).
+parallelism, other norms, q/k norms, MoE, soft caps, attention sinks, parallel residuals, norms after each block,
+residual multipliers, layers without rope, rope depending on sequence length, per-layer windows in a
+step with prompts). Weights may be our float panels or quantized rows (int8 tiles, packed blocks,
+float segments, mixed within a layer as GGUF files mix them).
 ``PAGEDLLM_LAYER_STACK=0`` turns it off.
 """
 
@@ -178,6 +179,9 @@ def _layer_qualifies(layer) -> bool:
         return False
     if layer.parallel_residual or layer.sandwich or attn.q_norm is not None:
         return False
+    # The loop norms each block's input, adds its output unscaled, and rotates q and k in every layer.
+    if layer.post_norms or layer.residual_scale is not None or not attn.use_rope:
+        return False
     if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
         return False
     if layer.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
@@ -185,7 +189,8 @@ def _layer_qualifies(layer) -> bool:
     if mlp.act_and_mul.activation not in ACT_AND_MUL_KERNELS:
         return False
     paged = attn.attn
-    if not paged.use_cpu_kernel or paged.logits_soft_cap is not None:
+    # Sinks: the loop's attention kernels do not take them yet (the Python layer attends through torch).
+    if not paged.cpu_kernels_apply or paged.logits_soft_cap is not None or paged.sinks is not None:
         return False
     return all(p.tp_size == 1 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
@@ -217,7 +222,8 @@ def _segments(linear, gated: bool = False) -> list[Segment] | None:
         if isinstance(rows, Int8TiledTensor):
             segments.append((INT8_TILED, rows.fmt.id, seg.rows, rows.data, _bias(bias)))
         elif isinstance(rows, PackedTensor):
-            if not cpu_kernels_serve(rows.data.device, rows.in_features):
+            # Act-order rows (GPTQ desc_act) take their input permuted: the Python layer does that.
+            if rows.input_order is not None or not cpu_kernels_serve(rows.data.device, rows.in_features, rows.fmt):
                 return None
             segments.append((QUANT_BLOCKS, rows.fmt.id, seg.rows, rows.data, _bias(bias)))
         else:

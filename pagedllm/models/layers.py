@@ -102,14 +102,32 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(residual), residual
 
 
+class HeadLayerNorm(nn.Module):
+    """LayerNorm without bias over each head of ``[T, heads, head_dim]``, with a weight per head
+    (``[heads, head_dim]``): the q/k norms of StableLM and Cohere."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 as both references compute it; the per-head weight cannot go into layer_norm's own.
+        out = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()
+        return out.to(x.dtype)
+
+
 def make_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
-    """``rms`` (Llama), ``gemma_rms`` (1 + weight) or ``layer`` (LayerNorm with bias)."""
+    """``rms`` (Llama), ``gemma_rms`` (1 + weight), ``layer`` (LayerNorm with bias) or
+    ``layer_nobias`` (Cohere: mean-subtracting, no bias)."""
     if kind == "rms":
         return RMSNorm(hidden_size, eps)
     if kind == "gemma_rms":
         return GemmaRMSNorm(hidden_size, eps)
     if kind == "layer":
         return LayerNorm(hidden_size, eps=eps)
+    if kind == "layer_nobias":
+        return LayerNorm(hidden_size, eps=eps, bias=False)
     raise ValueError(f"unknown norm kind {kind!r}")
 
 

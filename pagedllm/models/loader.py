@@ -151,9 +151,16 @@ def _derived_max_model_len(hf_config: Any) -> int:
 
 def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> tuple[str | None, int]:
     """(method, int4 group size) of a ``quantization`` setting: None, "gguf", "dequantize", "int8",
-    "int4" or "int4-gNN". "dequantize" (GGUF only) comes back as the method, for the caller."""
+    "int4" or "int4-gNN", or "awq" / "gptq" (a checkpoint's own, checked against its config later).
+    "dequantize" (GGUF only) comes back as the method, for the caller."""
+    from pagedllm.quantization.awq_gptq import CHECKPOINT_METHODS
     from pagedllm.quantization.quantize import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 
+    if quantization in CHECKPOINT_METHODS:
+        if is_gguf:
+            raise ValueError(f"quantization={quantization!r} needs a Hugging Face {quantization.upper()} checkpoint, "
+                             f"not the GGUF file {path!r}.")
+        return quantization, 128
     if quantization in (None, "none", "gguf", "dequantize"):
         if quantization in ("gguf", "dequantize") and not is_gguf:
             raise ValueError(f"quantization={quantization!r} needs a .gguf model; {path!r} is a Hugging Face folder.")
@@ -161,8 +168,8 @@ def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> t
     method, _, group = str(quantization).partition("-g")
     if method not in QUANTIZATION_METHODS or (group and (method != "int4" or not group.isdigit())):
         raise ValueError(
-            "quantization must be None, 'int8', 'int4', 'int4-g32' / 'int4-g64' / 'int4-g128', or for GGUF files "
-            f"'gguf' / 'dequantize', got {quantization!r}."
+            "quantization must be None, 'int8', 'int4', 'int4-g32' / 'int4-g64' / 'int4-g128', 'awq' / 'gptq' "
+            f"(a checkpoint's own), or for GGUF files 'gguf' / 'dequantize', got {quantization!r}."
         )
     group_size = int(group) if group else 128
     if group_size not in INT4_GROUP_SIZES:
@@ -197,6 +204,11 @@ def load_model_config(
         hf_config = _load_hf_config(path)
         list_weight_files(path)  # fail now, not after the tokenizer and the KV cache are set up
     architecture = resolve_architecture(hf_config)
+    if gguf_file is None:  # an AWQ / GPTQ / MXFP4 checkpoint's config says so itself
+        from pagedllm.quantization.awq_gptq import resolve_checkpoint_quantization
+        from pagedllm.quantization.mxfp4 import resolve_mxfp4
+
+        method = resolve_mxfp4(hf_config, method, path) or resolve_checkpoint_quantization(hf_config, method, path)
     check_config = getattr(get_model_class(architecture), "check_config", None)
     if check_config is not None:  # refuse unsupported variants now, before anything is allocated
         check_config(hf_config)
@@ -323,10 +335,19 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
         yield from iter_gguf_weights(read_gguf(model_config.gguf_file), packed=not model_config.gguf_dequantize)
         return
     files = list_weight_files(model_config.model)
-    if files[0].endswith(".safetensors"):
-        yield from _iter_safetensors(files)
-    else:
-        yield from _iter_torch_bin(files)
+    weights = _iter_safetensors(files) if files[0].endswith(".safetensors") else _iter_torch_bin(files)
+    if model_config.quantization in ("awq", "gptq"):
+        # Each layer's qweight / qzeros / scales (/ g_idx) become one packed weight as they are read.
+        from pagedllm.distributed.parallel_state import get_tp_state
+        from pagedllm.quantization.awq_gptq import checkpoint_quantization, iter_converted_weights
+
+        quant = checkpoint_quantization(model_config.hf_config)
+        weights = iter_converted_weights(weights, quant, get_tp_state().world_size)
+    elif model_config.quantization == "mxfp4":  # each _blocks / _scales pair becomes one packed tensor
+        from pagedllm.quantization.mxfp4 import iter_mxfp4_weights
+
+        weights = iter_mxfp4_weights(weights)
+    yield from weights
 
 
 @contextlib.contextmanager
@@ -371,6 +392,8 @@ def _prepare_packed_weights(model: nn.Module, model_config: ModelConfig) -> bool
 
     if model_config.gguf_file and not model_config.gguf_dequantize:
         return use_packed_weights(model, model_config.dtype, None, include_embeddings=True) > 0
+    if model_config.quantization in ("awq", "gptq", "mxfp4"):  # packed as the checkpoint is read
+        return use_packed_weights(model, model_config.dtype, None, include_embeddings=False) > 0
     if model_config.quantization:
         quantizer = make_quantizer(model_config.quantization, model_config.quantization_group_size)
         return use_packed_weights(model, model_config.dtype, quantizer, include_embeddings=False) > 0

@@ -178,7 +178,12 @@ class VocabParallelEmbedding(nn.Embedding, _TPMixin):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, vocabulary-split as the embedding is (so tying them needs no copy)."""
+    """The output projection, vocabulary-split as the embedding is (so tying them needs no copy);
+    its bias, if any, is split the same way (``weight_loader`` cuts 1-D tensors as it cuts rows)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.bias = nn.Parameter(torch.zeros(self.shard_size)) if bias else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not an embedding
         raise RuntimeError("ParallelLMHead is applied through lm_logits().")
@@ -189,6 +194,9 @@ def lm_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tenso
     samples). They stay in that dtype: at 64 rows of a 49k vocabulary a float32 copy is a 12 MB pass
     of its own, and the greedy kernel reads bfloat16 as it is; the sampler widens what it needs."""
     local = lm_head_matmul(hidden, head)
+    bias = getattr(head, "bias", None)  # an embedding serving as the head has none
+    if bias is not None:
+        local = local + bias
     if head.tp_size == 1:
         return local
     full = gather_last_dim(local, head.tp_state)

@@ -14,12 +14,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     **{arch: ("decoder", "DecoderForCausalLM") for family in FAMILIES.values() for arch in family.architectures},
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # For configs saved without ``architectures`` (e.g. a bare LlamaConfig).
 _MODEL_TYPE_TO_ARCH = {
     **{model_type: family.architectures[0] for model_type, family in FAMILIES.items()},
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -6,8 +6,9 @@ as it lies in the file and a row (or a block-aligned column range) of it is agai
 weight. The ids are ggml's type numbers for the GGUF types; the C++ kernels
 (``kernels/csrc/quant_linear_cpu.cpp``) use the same ids.
 
-``dequantize`` here is the torch reference (and the fallback on CUDA and without the C++
-kernels): the same float values gguf-py's numpy dequantizer gives.
+``dequantize`` here is the torch reference (and the fallback on CUDA, without the C++ kernels,
+and for formats they do not implement: ``CPU_KERNEL_FORMAT_IDS``): the same float values gguf-py's
+numpy dequantizer gives.
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ I4_G64 = Format("I4_G64", 1064, 64, 36)
 I4_G128 = Format("I4_G128", 1128, 128, 68)
 # int8 per output channel: the row's K int8 values, then its float32 scale (block_bytes unused).
 I8_ROW = Format("I8_ROW", 1008, 16, 16)
+# OCP microscaling FP4 (GPT-OSS's experts), as GGUF stores it: per 32 values one e8m0 exponent byte
+# (scale 2^(e - 127)), then 16 bytes of e2m1 codes, the low nibbles the block's first 16 values.
+MXFP4 = Format("MXFP4", 39, 32, 17)
+# e2m1 code -> value: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 (gguf-py's kvalues halved).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 GGUF_PACKED_TYPES = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+# The formats kernels/csrc/quant_formats.h implements; any other is multiplied by the torch reference.
+CPU_KERNEL_FORMAT_IDS = frozenset(f.id for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, I4_G64, I4_G128, I8_ROW))
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:
@@ -99,6 +107,15 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * scale * q.float()).flatten(1)
 
 
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [R, B, 17] -> float32 [R, B * 32]: code times 2^(e - 127), exact in float32."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    qs = blocks[..., 1:]
+    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).long()
+    exponent = blocks[..., :1].int() - 127
+    return torch.ldexp(lut[codes], exponent.float()).flatten(1)
+
+
 def dequantize(packed: torch.Tensor, fmt: Format, in_features: int) -> torch.Tensor:
     """float32 ``[rows, in_features]`` of a packed weight (torch ops only: any device)."""
     rows = packed.shape[0]
@@ -120,4 +137,6 @@ def dequantize(packed: torch.Tensor, fmt: Format, in_features: int) -> torch.Ten
         return _k_quant(blocks, five_bits=fmt.id == Q5_K.id)
     if fmt.id == Q6_K.id:
         return _q6_k(blocks)
+    if fmt.id == MXFP4.id:
+        return _mxfp4(blocks)
     raise ValueError(f"Unknown packed weight format {fmt.name}.")

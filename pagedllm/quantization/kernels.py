@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_kernels, kernel_config
 from pagedllm.kernels.invariance import batch_invariant
-from pagedllm.quantization.formats import Format, dequantize
+from pagedllm.quantization.formats import CPU_KERNEL_FORMAT_IDS, Format, dequantize
 
 # Up to this many activation rows the float C++ kernel decodes weight tiles per step in L1; beyond it,
 # it decodes panels of rows once and hands them to at::mm (prefill).
@@ -33,21 +33,23 @@ def small_m() -> int:
 _REFERENCE_PANEL_ELEMENTS = 1 << 22
 
 
-def cpu_kernels_serve(device: torch.device, in_features: int) -> bool:
-    """Whether the C++ kernels multiply packed rows of ``in_features`` inputs here (else the torch reference)."""
+def cpu_kernels_serve(device: torch.device, in_features: int, fmt: Format) -> bool:
+    """Whether the C++ kernels multiply packed rows of ``fmt`` with ``in_features`` inputs here (else
+    the torch reference). A format they do not implement (MXFP4) is never handed to them: they would
+    refuse its id."""
     if device.type != "cpu" or in_features % 16 or kernel_config().quant_kernel == "torch":
         return False
-    return cpu_kernels() is not None
+    return fmt.id in CPU_KERNEL_FORMAT_IDS and cpu_kernels() is not None
 
 
-def _cpu_module(x: torch.Tensor, in_features: int):
-    return cpu_kernels() if cpu_kernels_serve(x.device, in_features) else None
+def _cpu_module(x: torch.Tensor, in_features: int, fmt: Format):
+    return cpu_kernels() if cpu_kernels_serve(x.device, in_features, fmt) else None
 
 
 def packed_linear(x: torch.Tensor, data: torch.Tensor, fmt: Format, in_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T + bias`` for a packed ``W`` (``data``: uint8 ``[out_features, row_bytes]``), in x's dtype."""
-    module = _cpu_module(x, in_features)
+    module = _cpu_module(x, in_features, fmt)
     if module is not None:
         x32 = x if x.dtype == torch.float32 else x.float()
         y = module.quant_linear(x32, data, fmt.id, in_features, bias, small_m())
@@ -65,7 +67,7 @@ def packed_linear(x: torch.Tensor, data: torch.Tensor, fmt: Format, in_features:
 
 def packed_embedding(ids: torch.Tensor, data: torch.Tensor, fmt: Format, in_features: int) -> torch.Tensor:
     """float32 rows ``ids`` of a packed weight: only those rows are dequantized."""
-    module = _cpu_module(ids, in_features)
+    module = _cpu_module(ids, in_features, fmt)
     flat = ids.reshape(-1)
     if module is not None:
         out = module.dequantize_rows(data, fmt.id, in_features, flat)

@@ -11,6 +11,9 @@
   format, merged when adjacent ones agree. Float tensors (F32 / F16 / BF16 GGUF tensors) stay
   float segments. With int8 activations, packed segments are re-tiled once loaded
   (``int8_tiles.Int8TiledTensor``).
+- ``input_order`` (GPTQ act-order checkpoints, awq_gptq.py): the packed columns hold the inputs in
+  this order, sorted by quantization group so that every block lies in one group; the product
+  takes the activation's columns in the same order, and ``dequantize`` puts them back.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class PackedTensor:
     data: torch.Tensor
     fmt: Format
     in_features: int
+    input_order: torch.Tensor | None = None  # int64 [in_features]: packed column j is input input_order[j]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,9 +47,17 @@ class PackedTensor:
 
     def narrow(self, dim: int, start: int, length: int) -> PackedTensor:
         if dim == 0:
-            return PackedTensor(self.data.narrow(0, start, length), self.fmt, self.in_features)
+            return PackedTensor(self.data.narrow(0, start, length), self.fmt, self.in_features, self.input_order)
         if dim not in (1, -1):
             raise ValueError(f"a packed weight has 2 dimensions, not {dim + 1}")
+        if start == 0 and length == self.in_features:
+            return self  # a row-parallel layer's whole input (one rank)
+        if self.input_order is not None:
+            # The shard's inputs lie scattered over the permuted columns, and its blocks would mix groups.
+            raise ValueError(
+                "a GPTQ act-order (desc_act=True) weight holds its inputs permuted and cannot be split "
+                "along them; load it with tensor_parallel_size=1"
+            )
         if self.fmt.id == I8_ROW.id:
             # The row scale sits at the end of each row: keep it after the kept columns.
             data = torch.cat((self.data[:, start:start + length], self.data[:, self.in_features:]), dim=1)
@@ -62,10 +74,12 @@ class PackedTensor:
     def split(self, sizes: list[int], dim: int = 0) -> list[PackedTensor]:
         if dim != 0:
             raise ValueError("packed weights are split along their output rows only")
-        return [PackedTensor(part, self.fmt, self.in_features) for part in self.data.split(sizes, dim=0)]
+        return [PackedTensor(part, self.fmt, self.in_features, self.input_order)
+                for part in self.data.split(sizes, dim=0)]
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.fmt, self.in_features)
+        """float32 ``[rows, in_features]``, columns in input order."""
+        return _input_columns(dequantize(self.data, self.fmt, self.in_features), self.input_order)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +129,7 @@ class QuantizedWeight:
             tensor = self.quantizer(tensor) if self.quantizer is not None else tensor.detach().to(self.dtype).clone()
         elif not tensor.data.is_contiguous() or tensor.data.untyped_storage().nbytes() > tensor.data.numel():
             # A shard cut out of a whole tensor: keep a compact copy, not a view that pins the whole.
-            tensor = PackedTensor(tensor.data.contiguous().clone(), tensor.fmt, tensor.in_features)
+            tensor = PackedTensor(tensor.data.contiguous().clone(), tensor.fmt, tensor.in_features, tensor.input_order)
         self.segments = [s for s in self.segments if s.offset + s.rows <= offset or s.offset >= offset + rows]
         self.segments.append(_Segment(offset, rows, tensor))
         self.segments.sort(key=lambda s: s.offset)
@@ -138,7 +152,7 @@ class QuantizedWeight:
             if last is not None and _same_kind(last.weight, seg.weight):
                 if isinstance(seg.weight, PackedTensor):
                     data = torch.cat((last.weight.data, seg.weight.data))
-                    last.weight = PackedTensor(data, seg.weight.fmt, seg.weight.in_features)
+                    last.weight = PackedTensor(data, seg.weight.fmt, seg.weight.in_features, seg.weight.input_order)
                 else:
                     last.weight = torch.cat((last.weight, seg.weight))
                 last.rows += seg.rows
@@ -149,7 +163,8 @@ class QuantizedWeight:
     def tile_int8(self) -> None:
         """Re-tile packed segments for int8 activations (those this CPU can tile); the packed rows go."""
         for seg in self.segments:
-            if isinstance(seg.weight, PackedTensor):
+            # Int8 tiles keep no input order: act-order rows stay packed (float activations).
+            if isinstance(seg.weight, PackedTensor) and seg.weight.input_order is None:
                 tiled = tile_for_int8(seg.weight.data, seg.weight.fmt, seg.weight.in_features)
                 if tiled is not None:
                     seg.weight = tiled
@@ -176,7 +191,9 @@ class QuantizedWeight:
     def to(self, device: torch.device) -> QuantizedWeight:
         for seg in self.segments:
             if isinstance(seg.weight, PackedTensor):
-                seg.weight = PackedTensor(seg.weight.data.to(device), seg.weight.fmt, seg.weight.in_features)
+                order = seg.weight.input_order
+                seg.weight = PackedTensor(seg.weight.data.to(device), seg.weight.fmt, seg.weight.in_features,
+                                          None if order is None else order.to(device))
             elif isinstance(seg.weight, Int8TiledTensor):
                 if device.type != "cpu":
                     raise ValueError("int8-tiled weights run on the CPU kernels only")
@@ -221,7 +238,9 @@ class _RowView:
 
 def _same_kind(a: PackedTensor | torch.Tensor, b: PackedTensor | torch.Tensor) -> bool:
     if isinstance(a, PackedTensor) and isinstance(b, PackedTensor):
-        return a.fmt.id == b.fmt.id
+        orders = (a.input_order, b.input_order)
+        same_order = orders == (None, None) or (None not in orders and torch.equal(*orders))
+        return a.fmt.id == b.fmt.id and same_order
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
@@ -237,6 +256,8 @@ def _segment_linear(x: torch.Tensor, weight: PackedTensor | Int8TiledTensor | to
         return F.linear(x, weight.to(x.dtype), bias)
     if isinstance(weight, Int8TiledTensor):
         return weight.linear(x, bias)
+    if weight.input_order is not None:
+        x = x.index_select(-1, weight.input_order)
     return packed_linear(x, weight.data, weight.fmt, weight.in_features, bias)
 
 
@@ -245,7 +266,14 @@ def _segment_rows(weight: PackedTensor | Int8TiledTensor | torch.Tensor, ids: to
         return F.embedding(ids, weight)
     if isinstance(weight, Int8TiledTensor):
         return weight.take_rows(ids)
-    return packed_embedding(ids, weight.data, weight.fmt, weight.in_features)
+    return _input_columns(packed_embedding(ids, weight.data, weight.fmt, weight.in_features), weight.input_order)
+
+
+def _input_columns(values: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+    """Values whose last dimension is in packed column order, put back in input order."""
+    if input_order is None:
+        return values
+    return torch.empty_like(values).index_copy_(-1, input_order, values)
 
 
 def assign_to(what: str, target: object, tensor: PackedTensor | torch.Tensor) -> bool:
