@@ -57,7 +57,7 @@ def model_shapes(hf_config) -> ModelShapes:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
     projections = [("qkv", hidden, (heads + 2 * kv_heads) * head_dim), ("o", heads * head_dim, hidden)]
-    if hf_config.model_type in ("gpt2", "opt", "gpt_neox", "starcoder2"):  # plain MLP: up, down
+    if hf_config.model_type in ("gpt2", "opt", "gpt_neox", "starcoder2", "phi"):  # plain MLP: up, down
         projections += [("up", hidden, intermediate), ("down", intermediate, hidden)]
     else:  # gated MLP: gate and up in one GEMM, then down
         projections += [("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)]

@@ -67,6 +67,92 @@ class CacheConfig:
 KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names): a proposer guesses the next tokens
+    of a decoding sequence, and one forward pass verifies them all (spec_decode/).
+
+    ``ngram``: prompt lookup, the tokens after the latest earlier occurrence of the sequence's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min). ``suffix``: a suffix tree over the
+    request's tokens and recent requests' outputs, its proposal as long as the match supports
+    (suffix_decoding_*; num_speculative_tokens caps it). ``draft_model``: a smaller model with the same
+    tokenizer (``model``: a path or hub id) proposes num_speculative_tokens tokens greedily; its KV
+    lives in the same paged pool, under the target's block tables (each block holds both models'
+    layers), so copy-on-write, swapping and prefix caching move the draft's KV with the target's.
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Speculate only while fewer requests than this run (None: always): a full batch already
+    # reads each weight once for many tokens, and verifying drafts would add work.
+    disable_by_batch_size: int | None = None
+    # A request stops speculating once, after min_request_drafts draft tokens, fewer than this
+    # share of them were accepted.
+    min_request_acceptance: float = 0.1
+    min_request_drafts: int = 32
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}."
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: 'model' (the draft model) is required with method 'draft_model' "
+                             f"and only with it (method {self.method!r}, model {self.model!r}).")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError("speculative_config draft_tensor_parallel_size must be 1 (the draft runs whole on the "
+                             f"first rank), got {self.draft_tensor_parallel_size}.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}.")
+        if not 0.0 <= self.min_request_acceptance <= 1.0:
+            raise ValueError(f"min_request_acceptance must be in [0, 1], got {self.min_request_acceptance}.")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}.")
+        # One bound given: the other default moves so that min <= max still holds.
+        defaults = {name: field.default for name, field in cls.__dataclass_fields__.items()}
+        if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+            value = {**value, "prompt_lookup_min": min(value["prompt_lookup_max"], defaults["prompt_lookup_min"])}
+        if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+            value = {**value, "prompt_lookup_max": max(value["prompt_lookup_min"], defaults["prompt_lookup_max"])}
+        if "model" in value and "method" not in value:
+            value = {**value, "method": "draft_model"}  # vLLM's reading: a model alone names a draft model
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys: {', '.join(sorted(unknown))}.")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets of one step and the preemption policy."""
@@ -100,6 +186,7 @@ class SchedulerConfig:
     # (0: the budget's rest). A prompt that arrives while streams decode then holds each of them
     # up by a bounded chunk per step, while one that arrives at an idle engine gets the whole budget.
     max_prefill_tokens_while_decoding: int = 0
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -203,8 +290,11 @@ class EngineArgs:
     max_prefill_tokens_while_decoding: int = 0
     # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
     tensor_parallel_size: int = 1
+    # Speculative decoding (SpeculativeConfig, or its dict / JSON form); None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         canonical_kv_cache_dtype(self.kv_cache_dtype)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")

@@ -75,6 +75,12 @@ class Sequence:
         # Structured outputs: the grammar matcher (xgrammar's) of this sequence's output so far;
         # every appended token advances it, and a fork gets its own copy.
         self.grammar: Any = None
+        # Speculative decoding: this step's draft tokens (verified after the tokens above), and the
+        # sequence's own tally, which switches its speculation off when too few are accepted.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.spec_disabled = False
 
     @property
     def prompt_len(self) -> int:

@@ -54,6 +54,11 @@ class AllocationPlan:
         return self.num_new_blocks + sum(block.ref_count == 0 for block in self.hit_blocks.values())
 
 
+def _write_end(seq: Sequence) -> int:
+    """One past the last position written this step: the tokens, then this step's draft tokens."""
+    return seq.get_len() + len(seq.spec_token_ids)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -233,7 +238,7 @@ class BlockSpaceManager:
         writers: dict[int, list] = {}
         for seq in seqs:
             table = self.block_tables[seq.seq_id]
-            num_blocks = _cdiv(seq.get_len(), bs)
+            num_blocks = _cdiv(_write_end(seq), bs)
             num_needed += max(0, num_blocks - len(table))
             for i in range(seq.num_computed_tokens // bs, min(len(table), num_blocks)):
                 block = table[i]
@@ -264,7 +269,7 @@ class BlockSpaceManager:
             first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
             for block in table.drop_front(first_needed // bs):
                 self.gpu_allocator.free(block)
-        num_blocks = _cdiv(seq.get_len(), bs)
+        num_blocks = _cdiv(_write_end(seq), bs)
         copies: list[tuple[int, int]] = []
         for i in range(seq.num_computed_tokens // bs, min(len(table), num_blocks)):
             block = table[i]
@@ -278,6 +283,17 @@ class BlockSpaceManager:
         while len(table) < num_blocks:
             table.append(self.gpu_allocator.allocate())
         return copies
+
+    def release_lookahead(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's tokens: those only rejected draft tokens were written
+        to (speculative decoding). They were allocated fresh for this sequence (never shared, never
+        hashed: only computed full blocks of real tokens are), so they simply return to the pool."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = _cdiv(seq.get_len(), self.block_size)  # logical blocks, as len(table) counts them
+        while len(table) > keep and table.blocks:
+            self.gpu_allocator.free(table.blocks.pop())
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares every block of the parent (one more reference each)."""

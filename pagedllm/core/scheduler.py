@@ -51,6 +51,7 @@ from pagedllm.core.policies import ContiguousBlockManager
 from pagedllm.core.token_sink import TokenSink
 from pagedllm.core.waste import WasteTracker
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.spec_decode import Speculator
 
 
 @dataclass
@@ -110,6 +111,8 @@ def num_samples(group: SequenceGroup, seq: Sequence, num_tokens: int) -> int:
     extra samples become forks sharing its blocks), one otherwise."""
     if seq.num_computed_tokens + num_tokens < seq.get_len():
         return 0
+    if seq.spec_token_ids:  # a row per draft position and one after the last draft
+        return len(seq.spec_token_ids) + 1
     params = group.sampling_params
     if not seq.output_token_ids and not params.use_beam_search:
         return params.best_of
@@ -144,6 +147,11 @@ class Scheduler:
                 scheduler_config.kv_allocation, cache_config.block_size, num_gpu_blocks, scheduler_config.max_model_len
             )
         self.waste_tracker = WasteTracker() if scheduler_config.track_kv_waste else None
+        self.speculator: Speculator | None = None
+        if scheduler_config.speculative_config is not None:
+            if scheduler_config.kv_allocation != "paged":
+                raise ValueError("speculative decoding needs kv_allocation='paged' (drafts take lookahead blocks).")
+            self.speculator = Speculator(scheduler_config.speculative_config, scheduler_config.max_model_len)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -188,6 +196,8 @@ class Scheduler:
                     if not seq.is_finished():
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     self.block_manager.free(seq)
+                if self.speculator is not None:
+                    self.speculator.request_finished(group)
             queue.clear()
             queue.extend(kept)
 
@@ -212,6 +222,8 @@ class Scheduler:
                     self.block_manager.free(seq)  # no-op when already freed
             if not group.is_finished():
                 kept.append(group)
+            elif self.speculator is not None:
+                self.speculator.request_finished(group)
         self.running = kept
 
     # --------------------------------------------------------------------------------- schedule
@@ -264,15 +276,32 @@ class Scheduler:
             outputs.scheduled_seq_groups.append(group)
 
     def _schedule_decode(self, group: SequenceGroup, outputs: SchedulerOutputs) -> None:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        for seq in seqs:
             outputs.blocks_to_copy.extend(self.block_manager.append_slots(seq))
-        self._add_tokens(group, [(seq, 1) for seq in group.get_seqs(SequenceStatus.RUNNING)], outputs)
-        outputs.num_decode_tokens += group.num_seqs(SequenceStatus.RUNNING)
+        chunks = [(seq, 1 + len(seq.spec_token_ids)) for seq in seqs]
+        self._add_tokens(group, chunks, outputs)
+        outputs.num_decode_tokens += sum(num_tokens for _, num_tokens in chunks)
 
     def _decode_fits(self, group: SequenceGroup, outputs: SchedulerOutputs) -> bool:
         if not self.scheduler_config.enable_chunked_prefill:
             return True  # a decode step has one token per running sequence, within max_num_seqs
         return group.num_seqs(SequenceStatus.RUNNING) <= self._budget_left(outputs)
+
+    def _propose_drafts(self, group: SequenceGroup, outputs: SchedulerOutputs) -> None:
+        """Draft tokens for the group's decodes this step, within what the token budget leaves after
+        every sequence's own token."""
+        assert self.speculator is not None
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        budget = self._budget_left(outputs) - len(seqs)
+        for seq in seqs:
+            seq.spec_token_ids = self.speculator.propose(group, seq, budget) if budget > 0 else []
+            budget -= len(seq.spec_token_ids)
+
+    @staticmethod
+    def _drop_drafts(group: SequenceGroup) -> None:
+        for seq in group.get_seqs():
+            seq.spec_token_ids = []
 
     def _schedule_running(self, outputs: SchedulerOutputs) -> bool:
         """Decode tokens for running groups, oldest first, preempting the newest when blocks run
@@ -282,11 +311,17 @@ class Scheduler:
         queue = deque(sorted(self.running, key=_arrival))
         running: deque[SequenceGroup] = deque()
         preempted = False
+        speculate = self.speculator is not None and self.speculator.enabled_for_batch(
+            sum(group.num_seqs(SequenceStatus.RUNNING) for group in self.running))
         while queue:
             group = queue.popleft()
             if not _is_decoding(group) or not self._decode_fits(group, outputs):
                 running.append(group)  # a prompt chunk below, or a decode next step
                 continue
+            if speculate:
+                self._propose_drafts(group, outputs)
+                if not self.block_manager.can_append_slots(group):
+                    self._drop_drafts(group)  # drafts never cost a preemption: without them the decode may fit
             while not self.block_manager.can_append_slots(group):
                 preempted = True
                 if queue:
@@ -487,6 +522,7 @@ class Scheduler:
             mode = "swap"  # too big to re-run as one prefill: keep its cache if the CPU pool can
         if mode == "swap" and not self.block_manager.can_swap_out(group):
             mode = "recompute"  # the CPU pool is full: recomputation always works
+        self._drop_drafts(group)
         group.num_preemptions += 1
         outputs.num_preempted += 1
         if mode == "swap":
@@ -562,36 +598,75 @@ class Scheduler:
         self, group: SequenceGroup, running: list[Sequence], tokens: list[int], rows: list[int], row: int,
         sink: TokenSink,
     ) -> bool:
-        sampled: list[tuple[Sequence, int]] = []
+        # (sequence, its rows, its first row): rows follow the order of the group's sequences.
+        sampled: list[tuple[Sequence, int, int]] = []
+        verified = False
         for seq, num_tokens, num_rows in zip(running, tokens, rows):
             if not num_tokens:
+                continue
+            seq_row, row = row, row + num_rows
+            if seq.spec_token_ids:
+                self._verify_drafts(group, seq, seq_row, sink)
+                verified = True
                 continue
             if not seq.output_token_ids:
                 self.num_prompt_tokens += num_tokens
             seq.num_computed_tokens += num_tokens
             self.block_manager.mark_computed(seq)
             if num_rows:
-                sampled.append((seq, num_rows))
+                sampled.append((seq, num_rows, seq_row))
         if not sampled:
-            return False  # a prompt chunk that did not reach the end of the prompt
+            return verified  # otherwise a prompt chunk that did not reach the end of the prompt
         if group.sampling_params.use_beam_search:
-            beams = [seq for seq, _ in sampled]
-            self.num_generation_tokens += sink.step_beams(group, beams, list(range(row, row + len(beams))))
+            beams = [seq for seq, _, _ in sampled]
+            self.num_generation_tokens += sink.step_beams(group, beams, [first for _, _, first in sampled])
             return True
-        for seq, num_rows in sampled:
+        for seq, num_rows, seq_row in sampled:
             targets = [seq]
             for _ in range(num_rows - 1):
                 child = seq.fork(self.next_seq_id())
                 self.fork_seq(seq, child)  # shares every block; copy-on-write at the first divergent write
                 group.seqs.append(child)  # the group owns it at once: a failure below frees it too
                 targets.append(child)
-            for target in targets:
-                sink.append_token(group, target, row)
-                row += 1
+            for offset, target in enumerate(targets):
+                sink.append_token(group, target, seq_row + offset)
                 self.num_generation_tokens += 1
                 if target.is_finished():
                     self.block_manager.free(target)
         return True
+
+    def _verify_drafts(self, group: SequenceGroup, seq: Sequence, row: int, sink: TokenSink) -> None:
+        """Keep the drafts the target agrees with, and the target's own token after them.
+
+        Sampler row j sampled the target's token after the sequence's tokens and drafts[:j]. Going
+        left to right, each row's token is appended (so stop conditions, logprobs and text are those
+        of ordinary decoding); while it equals draft j, that draft's K/V computed this step is valid
+        and the next row follows it. With a draft given as one token, accepting it when the row's own
+        sample equals it is exactly rejection sampling: it is accepted with the target's probability
+        of that token, and a rejection leaves a sample of the target's distribution without it.
+        The blocks only rejected drafts were written to go back to the pool.
+        """
+        drafts = seq.spec_token_ids
+        seq.spec_token_ids = []
+        seq.num_computed_tokens += 1  # the sequence's last token
+        accepted = 0
+        try:
+            for j in range(len(drafts) + 1):
+                sink.append_token(group, seq, row + j)
+                self.num_generation_tokens += 1
+                if seq.is_finished() or j == len(drafts) or seq.output_token_ids[-1] != drafts[j]:
+                    break
+                accepted += 1
+                seq.num_computed_tokens += 1  # draft j is now the sequence's token, its K/V in place
+            sink.drafts_verified(group, row, j + 1)
+        finally:
+            assert self.speculator is not None
+            self.speculator.record(seq, len(drafts), accepted)
+            if seq.is_finished():
+                self.block_manager.free(seq)
+            else:
+                self.block_manager.release_lookahead(seq)
+                self.block_manager.mark_computed(seq)
 
     # ------------------------------------------------------------------------------- statistics
 
@@ -607,6 +682,8 @@ class Scheduler:
             "num_oversized_recomputes": self.num_oversized_recomputes,
         }
         stats.update(self.block_manager.get_stats())
+        if self.speculator is not None:
+            stats.update(self.speculator.get_stats())
         if self.waste_tracker is not None:
             stats["kv_waste"] = self.waste_tracker.summary()
         return stats

@@ -22,6 +22,10 @@ class TokenSink(Protocol):
         """Advance a beam-search group by one token (``rows[i]`` is ``beams[i]``'s sampler row);
         the sink forks and frees beams through the scheduler. Returns the tokens generated."""
 
+    def drafts_verified(self, group: SequenceGroup, first_row: int, num_rows_used: int) -> None:
+        """A speculating sequence's rows from ``first_row`` on: only the first ``num_rows_used`` gave
+        tokens; the random draws of the others are taken back."""
+
 
 class ScriptedTokens:
     """Tokens from ``token_fn(group, seq)``; each sequence stops at its request's ``max_tokens``.
@@ -42,3 +46,6 @@ class ScriptedTokens:
         for beam, row in zip(beams, rows):
             self.append_token(group, beam, row)
         return len(beams)
+
+    def drafts_verified(self, group: SequenceGroup, first_row: int, num_rows_used: int) -> None:
+        """Scripted tokens draw nothing."""

@@ -85,6 +85,10 @@ class PlainConfig:
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
 
+    def standardize_rope_params(self) -> None:
+        """transformers' rope functions (yarn, llama3, ...) call this first to turn a legacy
+        ``rope_scaling`` into ``rope_parameters``; the values here come from a config that already did."""
+
 
 def plain_config(hf_config: Any) -> PlainConfig:
     """Every public plain-data attribute of a transformers config, aliases (attribute_map) included."""

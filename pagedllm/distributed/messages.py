@@ -60,7 +60,7 @@ class StepEncoder:
             tables[seq.seq_id] = table
             num_samples = seq.num_samples if seq.sampling_row is not None else 0
             seqs.append((seq.seq_id, seq.token_ids, seq.start_pos, keep, table[keep:], num_samples,
-                         seq.prompt_logprobs, seq.next_prompt_token))
+                         seq.prompt_logprobs, seq.next_prompt_token, seq.draft_token_ids))
         self.sent_tables = tables
         payload = (seqs, step.blocks_to_swap_in, step.blocks_to_swap_out, step.blocks_to_copy)
         return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
@@ -79,7 +79,8 @@ class StepDecoder:
         wire_seqs, swap_in, swap_out, copy = payload
         previous, tables = self.tables, {}
         seqs = []
-        for seq_id, token_ids, start_pos, keep, appended, num_samples, prompt_logprobs, next_prompt_token in wire_seqs:
+        for (seq_id, token_ids, start_pos, keep, appended, num_samples, prompt_logprobs, next_prompt_token,
+             draft_token_ids) in wire_seqs:
             table = previous[seq_id][:keep] + appended if keep else appended
             tables[seq_id] = table
             seqs.append(
@@ -92,6 +93,7 @@ class StepDecoder:
                     num_samples=max(num_samples, 1),
                     prompt_logprobs=prompt_logprobs,  # the ranks compute those logits together
                     next_prompt_token=next_prompt_token,
+                    draft_token_ids=draft_token_ids,  # the ranks compute the drafts' logits together
                 )
             )
         self.tables = tables

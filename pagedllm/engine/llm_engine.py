@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.kv_quant import kv_bytes_per_token, kv_format
-from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from pagedllm.attention.kv_quant import kv_format
+from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
@@ -27,6 +27,7 @@ from pagedllm.kernels.report import kernel_summary
 from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
 from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import SamplingRow
+from pagedllm.sampling.sampler import rewind_generator
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import (
     CompletionOutput,
@@ -35,8 +36,11 @@ from pagedllm.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedllm.spec_decode.draft_model import load_draft_model_config
+from pagedllm.spec_decode.speculator import DRAFT_FROM_MODEL
 from pagedllm.step_timing import StepTimer
 from pagedllm.structured import StructuredOutputManager
+from pagedllm.worker.cache_engine import pool_block_bytes
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -57,8 +61,10 @@ class LLMEngine:
         seed: int = 0,
         num_threads: int | None = None,
         tensor_parallel_size: int = 1,
+        draft_model_config: ModelConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.draft_model_config = draft_model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
@@ -68,6 +74,10 @@ class LLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         worker_class: Any = Worker
         worker_kwargs: dict[str, Any] = {}
+        if draft_model_config is not None:
+            if tensor_parallel_size > 1:
+                raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
+            worker_kwargs["draft_model_config"] = draft_model_config
         if tensor_parallel_size > 1:
             # Same interface as Worker; rank 0 (here) broadcasts each step to ranks 1..N-1.
             from pagedllm.distributed.executor import MultiprocExecutor
@@ -112,14 +122,16 @@ class LLMEngine:
         # Without a runner in this process (tensor parallelism) the whole execution counts as "forward".
         self._runner_timed = runner is not None
         self.kv_cache_info = kv_cache_info(
-            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, tensor_parallel_size
+            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, tensor_parallel_size,
+            draft_model_config,
         )
         info = self.kv_cache_info
         logger.info(
             "KV pool: %s, %d bytes/token%s (K and V, %d layers, scales included); %d device blocks, %d CPU blocks "
             "of %d tokens; device pool %s, CPU pool %s",
             kv_dtype_label(info), info["kv_bytes_per_token"], " per rank" if tensor_parallel_size > 1 else "",
-            model_config.num_layers, self.num_gpu_blocks, self.num_cpu_blocks, cache_config.block_size,
+            model_config.num_layers + (draft_model_config.num_layers if draft_model_config else 0),
+            self.num_gpu_blocks, self.num_cpu_blocks, cache_config.block_size,
             format_bytes(info["kv_gpu_pool_bytes"]), format_bytes(info["kv_cpu_pool_bytes"]),
         )
 
@@ -138,6 +150,12 @@ class LLMEngine:
         if args.tokenizer:
             model_config.tokenizer_path = resolve_tokenizer_path(args.tokenizer, args.download_dir)
         tokenizer = load_tokenizer(model_config)
+        speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        draft_model_config = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            draft_model_config = load_draft_model_config(
+                speculative_config.model, model_config, tokenizer, args.download_dir
+            )
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
             # Chunked: a step's budget bounds how long running streams wait for a prompt (on a CPU a
@@ -167,10 +185,11 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
             max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+            speculative_config=speculative_config,
         )
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, draft_model_config=draft_model_config,
         )
 
     # ------------------------------------------------------------------ requests
@@ -265,6 +284,7 @@ class LLMEngine:
         self.num_steps += 1
         with timer.phase("process_outputs"):
             self._add_prompt_logprobs(sched, getattr(sampler_output, "prompt_logprobs", None))
+            self._take_model_drafts(sched, getattr(sampler_output, "model_draft_token_ids", None))
             sink = _SamplerTokens(self, sampler_output)
             result = self.scheduler.postprocess(sched, sink)
             now = time.time()
@@ -317,16 +337,26 @@ class LLMEngine:
                                        bitmasks.get(seq.seq_id)) if num_rows else None)
                     top_k, next_token = (self._prompt_logprob_chunk(group, seq, num_tokens) if index == 0
                                          else (None, None))
+                    drafts = seq.spec_token_ids
+                    # A draft model's drafts are stand-ins here: the worker's draft model makes them.
+                    model_drafts = len(drafts) if drafts and drafts[0] == DRAFT_FROM_MODEL else 0
+                    start = seq.num_computed_tokens
+                    previous = (seq.get_token_ids()[start - 1] if self.draft_model_config is not None
+                                and start and start >= seq.prompt_len else None)
                     group_seqs.append(
                         SeqStepInput(
                             seq_id=seq.seq_id,
-                            token_ids=seq.get_next_token_ids(num_tokens),
+                            token_ids=(seq.get_next_token_ids(num_tokens - len(drafts))
+                                       + (drafts if not model_drafts else [])),
                             start_pos=seq.num_computed_tokens,
                             block_table=block_manager.get_block_table(seq),
                             sampling_row=row,
-                            num_samples=max(num_rows, 1),
+                            num_samples=1 if drafts else max(num_rows, 1),
                             prompt_logprobs=top_k,
                             next_prompt_token=next_token,
+                            draft_token_ids=list(drafts) if not model_drafts else [],
+                            num_model_drafts=model_drafts,
+                            previous_token_id=previous,
                         )
                     )
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
@@ -384,26 +414,48 @@ class LLMEngine:
                     # The first token has no logprob: nothing predicts it.
                     group.prompt_logprobs = (group.prompt_logprobs or [None]) + computed[seq.seq_id]
 
+    @staticmethod
+    def _take_model_drafts(sched: SchedulerOutputs, drafts: dict[int, list[int]] | None) -> None:
+        """The draft model's drafts replace the stand-ins the scheduler booked, before verification."""
+        if not drafts:
+            return
+        for group in sched.scheduled_seq_groups:
+            for seq in group.seqs:
+                if seq.seq_id in drafts:
+                    seq.spec_token_ids = drafts[seq.seq_id]
+
     def _grammar_bitmasks(self, sampling: list[Sequence]) -> tuple[dict[int, object], dict[int, BaseException]]:
         """This step's bitmask of each constrained sequence that samples, by seq id, filled for the whole
         batch at once (per-request fills cost a tensor allocation and a reduction each); and the
         sequences whose matcher raised. A sequence whose grammar allows no token at all (a constraint
-        nothing can satisfy) is finished here."""
+        nothing can satisfy) is finished here.
+
+        A speculating sequence gets ``[drafts + 1, words]``, one mask per sampler row: row j's is the
+        grammar's state after drafts[:j] (SeqStepInput.sampling_rows hands them out); its matcher is
+        walked through the drafts and rolled back, so verification appends from its own state."""
         constrained = [seq for seq in sampling if seq.grammar is not None]
         if not constrained:
             return {}, {}
-        bitmask, alive, failed = self.structured_outputs.fill_bitmasks([seq.grammar for seq in constrained])
+        drafts = [seq.spec_token_ids for seq in constrained]
+        matchers = [seq.grammar for seq in constrained]
+        if any(drafts):
+            bitmask, alive, failed = self.structured_outputs.fill_bitmasks(matchers, drafts)
+        else:  # the plain call, one row per sequence
+            bitmask, alive, failed = self.structured_outputs.fill_bitmasks(matchers)
         masks: dict[int, object] = {}
         errors: dict[int, BaseException] = {}
-        for index, (seq, row, has_token) in enumerate(zip(constrained, bitmask.unbind(0), alive)):
+        row = 0
+        for index, seq in enumerate(constrained):
+            num_rows = 1 + len(drafts[index])
             if index in failed:
                 errors[seq.seq_id] = failed[index]
-            elif has_token:
-                masks[seq.seq_id] = row
+            elif alive[row]:  # the sequence's own state (the drafts after it were accepted by the grammar)
+                masks[seq.seq_id] = bitmask[row] if num_rows == 1 else bitmask[row : row + num_rows]
             else:
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 seq.stop_reason = "structured output: no token can continue the grammar"
                 self.scheduler.free_seq(seq)
+            row += num_rows
         return masks, errors
 
     def _fail_group(self, group: SequenceGroup, stage: str | None, exc: BaseException) -> RequestOutput:
@@ -508,19 +560,20 @@ class LLMEngine:
 def kv_cache_info(
     model_config: ModelConfig, cache_config: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: int,
     tensor_parallel_size: int = 1,
+    draft_model_config: ModelConfig | None = None,
 ) -> dict[str, Any]:
     """What the KV pool stores and how big it is, for the start-up log, get_stats(), /metrics and the dashboard.
 
     ``kv_cache_dtype`` is the setting ("auto" or a quantized format, canonical name);
     ``kv_cache_storage`` what a value is stored as (the model dtype for "auto"). Bytes are this
-    rank's share under tensor parallelism (each rank holds its own KV heads).
+    rank's share under tensor parallelism (each rank holds its own KV heads); a draft model's layers,
+    which share each block, are counted in.
     """
     fmt = kv_format(cache_config.kv_cache_dtype)
     num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, tensor_parallel_size)
-    per_token = kv_bytes_per_token(
-        fmt, model_config.head_dim, num_kv_heads, model_config.num_layers, model_config.dtype
-    )
-    block_bytes = per_token * cache_config.block_size
+    # MLA's latent row and the draft's layers included.
+    block_bytes = pool_block_bytes(model_config, cache_config, model_config.dtype, num_kv_heads, draft_model_config)
+    per_token = block_bytes // cache_config.block_size
     return {
         "kv_cache_dtype": cache_config.kv_cache_dtype,
         "kv_cache_storage": str(model_config.dtype).removeprefix("torch.") if fmt is None else fmt.name,
@@ -580,6 +633,15 @@ class _SamplerTokens:
         except Exception:
             self.failed_stages[group.request_id] = self.stage
             raise
+
+    def drafts_verified(self, group: SequenceGroup, first_row: int, num_rows_used: int) -> None:
+        state = self.output.generator_states.get(first_row)
+        generator = self.engine._generators.get(group.request_id)
+        # Parallel samples share the request's generator and draw in turn: taking one sample's
+        # draws back would hand its numbers to the others. They keep every draw (still exact in
+        # distribution, reproducible), only a lone sequence is rewound.
+        if state is not None and generator is not None and group.num_seqs() == 1:
+            rewind_generator(generator, state, num_rows_used, group.sampling_params)
 
     def step_beams(self, group: SequenceGroup, beams: list[Sequence], rows: list[int]) -> int:
         try:

@@ -31,10 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id if not the model's own.")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--quantization", "-q", default=None,
-                       choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf", "dequantize"],
+                       choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "awq", "gptq", "gguf",
+                                "dequantize"],
                        help="Weight-only quantization of a float checkpoint at load time (int4: groups of 128 "
-                            "unless -gNN). GGUF files keep their own packed types without it; 'dequantize' "
-                            "loads a GGUF as float32 instead.")
+                            "unless -gNN). AWQ / GPTQ checkpoints and GGUF files keep their own packed types "
+                            "without it ('awq' / 'gptq' only confirm it); 'dequantize' loads a GGUF as float32 "
+                            "instead.")
     group.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
                        help="Quantized weights: multiply with activations quantized to int8 (integer dot "
                             "products; default: wherever the CPU has them). --no-int8-activations keeps "
@@ -64,6 +66,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=0,
                        help="With chunked prefill: the most prompt tokens in all of a step that also decodes, which "
                        "bounds how long a prompt holds up running streams (0: no limit but the budget).")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="Speculative decoding in vLLM's JSON form, e.g. "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}', method "
+                       "\"suffix\", or '{\"method\": \"draft_model\", \"model\": PATH_OR_ID}' (a smaller model with "
+                       "the same tokenizer); greedy output stays the same, sampling the same distribution.")
     group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
     group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
@@ -112,6 +119,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+        speculative_config=args.speculative_config,
         preemption_mode=args.preemption_mode,
         kv_allocation=args.kv_allocation,
         batching=args.batching,

@@ -61,6 +61,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         long_prompt_chunk_tokens: int = 256,
         max_prefill_tokens_while_decoding: int = 0,
+        speculative_config: dict[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -95,6 +96,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             long_prompt_chunk_tokens=long_prompt_chunk_tokens,
             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
 

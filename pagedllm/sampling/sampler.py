@@ -55,7 +55,12 @@ class SamplingRow:
     # Per-request generator seeded with params.seed; None -> the engine's shared generator.
     generator: torch.Generator | None = None
     # Structured outputs: [ceil(V / 32)] int32 bitmask of the tokens the grammar allows (None: all).
+    # A speculating sequence's row carries [drafts + 1, ceil(V / 32)], one per sampler row, until
+    # SeqStepInput.sampling_rows gives each row its own; the sampler sees only 1-D masks.
     token_bitmask: torch.Tensor | None = None
+    # Speculative decoding: report the row's generator state before its draw, so that the draws of
+    # rows whose drafts were rejected can be taken back (SamplerOutput.generator_states).
+    keep_generator_state: bool = False
 
 
 @dataclass
@@ -72,6 +77,10 @@ class SamplerOutput:
     failed_rows: dict[int, BaseException] = field(default_factory=dict)
     # prompt_logprobs by seq id (see pagedllm/sampling/prompt_logprobs.py), for the sequences asking.
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    # Row -> its own generator's state before the row drew, for rows with keep_generator_state.
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the drafts it proposed this step, by seq id.
+    model_draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -100,11 +109,14 @@ class Sampler:
             empty = logits.new_empty((0, self.vocab_size), dtype=torch.float32) if return_full_logprobs else None
             return SamplerOutput([], [], [], empty)
         return_full_logprobs = return_full_logprobs or any(row.params.use_beam_search for row in rows)
+        states = _generator_states(rows)
         try:
-            return self._sample_batch(logits, rows, generator, return_full_logprobs)
+            output = self._sample_batch(logits, rows, generator, return_full_logprobs)
         except Exception:  # noqa: BLE001 - find the rows at fault: every other row must still get its token
             logger.warning("sampling a batch of %d row(s) failed; sampling them one by one", len(rows))
-            return self._sample_rows_apart(logits, rows, generator, return_full_logprobs)
+            output = self._sample_rows_apart(logits, rows, generator, return_full_logprobs)
+        output.generator_states = states
+        return output
 
     def _sample_rows_apart(
         self, logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None, full: bool
@@ -321,6 +333,27 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         torch.tensor(biases, dtype=logits.dtype, device=device),
         accumulate=True,
     )
+
+
+def _generator_states(rows: list[SamplingRow]) -> dict[int, torch.Tensor]:
+    """The state of each own generator of rows asking for it, before the batch draws, keyed by the
+    first row that uses it (a speculating sequence's rows are adjacent and share one generator)."""
+    states: dict[int, torch.Tensor] = {}
+    for i, row in enumerate(rows):
+        gen = row.generator
+        if row.keep_generator_state and gen is not None and not (i and rows[i - 1].generator is gen):
+            states[i] = gen.get_state()
+    return states
+
+
+def rewind_generator(generator: torch.Generator, state: torch.Tensor, num_rows: int, params: SamplingParams) -> None:
+    """Put ``generator`` where it would be had only ``num_rows`` rows of ``params`` drawn after ``state``:
+    draws of rows past a rejected draft are taken back, so a seeded request's tokens are the same
+    with or without speculation (each draws one number per token, in order)."""
+    generator.set_state(state)
+    if not _is_deterministic(params):
+        for _ in range(num_rows):
+            _draw_uniform(1, generator)
 
 
 def _is_deterministic(params: SamplingParams) -> bool:

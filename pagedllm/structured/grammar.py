@@ -128,5 +128,11 @@ class GrammarCompiler:
             ) from None
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
-        """A fresh matcher (the grammar's state at the start of the output)."""
+        """A fresh matcher (the grammar's state at the start of the output).
+
+        Speculative decoding walks it through up to num_speculative_tokens drafts and rolls them
+        back. xgrammar 0.2.9's matchers roll back without limit (its Earley parser keeps every
+        state): ``max_rollback_tokens`` is deprecated there, fixed at -1 (unlimited), and any other
+        value only raises a DeprecationWarning, so it is left at its default.
+        """
         return self._xgr.GrammarMatcher(self.compile(spec))

@@ -37,23 +37,40 @@ class StructuredOutputManager:
         """A matcher at the grammar's start; raises InvalidRequestError when the constraint cannot compile."""
         return self.compiler.matcher(spec)
 
-    def fill_bitmasks(self, matchers: list[Any]) -> tuple[torch.Tensor, list[bool], dict[int, BaseException]]:
-        """One step's ``[len(matchers), ceil(V / 32)]`` int32 bitmasks of the tokens each matcher allows
-        next, filled for the whole batch at once; per row whether any token is allowed at all; and the
-        rows whose matcher raised (one request's broken matcher must not fail the others)."""
+    def fill_bitmasks(
+        self, matchers: list[Any], drafts: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[bool], dict[int, BaseException]]:
+        """One step's ``[rows, ceil(V / 32)]`` int32 bitmasks of the tokens the matchers allow next,
+        filled for the whole batch at once (one allocation, one reduction); per row whether any token
+        is allowed at all; and the matchers, by index, that raised (one request's broken matcher must
+        not fail the others).
+
+        Without ``drafts`` row i is matcher i's. With them (speculative decoding: per matcher the
+        drafts its grammar accepted when they were proposed, possibly none), matcher i has
+        ``1 + len(drafts[i])`` consecutive rows, the j-th masking the verification row that follows
+        ``drafts[i][:j]``: its grammar's state after those drafts. Each matcher accepts its drafts
+        one at a time between its fills and is rolled back after, so it ends as it began and
+        verification appends the real tokens from the sequence's own state.
+        """
         import xgrammar as xgr
 
         start = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        counts = [1] * len(matchers) if drafts is None else [1 + len(tokens) for tokens in drafts]
+        bitmask = xgr.allocate_token_bitmask(sum(counts), self.vocab_size)
         failed: dict[int, BaseException] = {}
+        row = 0
         for index, matcher in enumerate(matchers):
             try:
-                matcher.fill_next_token_bitmask(bitmask, index)
+                if counts[index] == 1:
+                    matcher.fill_next_token_bitmask(bitmask, row)
+                else:
+                    _fill_draft_rows(matcher, drafts[index], bitmask, row)  # type: ignore[index]
             except Exception as exc:  # noqa: BLE001 - the engine fails that row's request alone
                 failed[index] = exc
+            row += counts[index]
         alive = bitmask.ne(0).any(dim=1).tolist()
         self.fill_seconds += time.perf_counter() - start
-        self.num_fill_rows += len(matchers)
+        self.num_fill_rows += len(alive)
         self.num_fill_steps += 1
         return bitmask, alive, failed
 
@@ -67,3 +84,19 @@ class StructuredOutputManager:
             "grammar_cache_misses": compiler.cache_misses if compiler is not None else 0,
         }
 
+
+def _fill_draft_rows(matcher: Any, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+    """Fill rows ``row .. row + len(drafts)`` with the matcher's masks before and after each draft,
+    then roll the drafts back (also when a fill raises: the matcher must stay the sequence's)."""
+    accepted = 0
+    try:
+        for j, token in enumerate(drafts):
+            matcher.fill_next_token_bitmask(bitmask, row + j)
+            if not matcher.accept_token(token):
+                # The speculator proposes only drafts the grammar accepts: a refusal here is a bug.
+                raise ValueError(f"draft token {token} is outside the sequence's structured-output grammar")
+            accepted += 1
+        matcher.fill_next_token_bitmask(bitmask, row + len(drafts))
+    finally:
+        if accepted:
+            matcher.rollback(accepted)

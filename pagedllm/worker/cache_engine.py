@@ -4,6 +4,11 @@ All layers' K and V live in one tensor ``[num_layers, 2, num_blocks, block_size,
 row]``; each layer sees two contiguous views ``[num_blocks, block_size, num_kv_heads, row]``. A row is
 one head's ``head_dim`` values in the model dtype, or with ``kv_cache_dtype`` set, its quantized
 values and their scales (attention/kv_quant.py; the pool's dtype names the format).
+A model may declare another layout (attention/kv_spec.py): DeepSeek's latent attention has ONE
+pool per layer, ``[num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``,
+each layer seeing a one-view tuple; block moves are the same indexing either way.
+A draft model (speculative decoding) has pools of its own with the same block count, addressed by
+the same block ids: a block is one position range of both models, so every block move covers both.
 Keeping the block axis shared by every layer lets one indexing operation copy (copy-on-write)
 or swap a list of blocks for all layers at once, which is what the paper's fused
 "copy many blocks in one launch" kernel does.
@@ -15,7 +20,8 @@ import logging
 
 import torch
 
-from pagedllm.attention.kv_quant import check_head_dim, kv_bytes_per_token, kv_format, kv_pool_row
+from pagedllm.attention.kv_quant import check_head_dim, kv_format, kv_pool_row
+from pagedllm.attention.kv_spec import kv_cache_spec
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.huge_pages import huge_page_buffer, huge_pages_enabled
 
@@ -31,11 +37,21 @@ def kv_block_bytes(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None,
     kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one physical block takes across all layers, K and V, scales included (of this rank's KV
-    heads under tensor parallelism)."""
-    heads = num_kv_heads or model_config.num_kv_heads
-    fmt = kv_format(kv_cache_dtype)
-    return block_size * kv_bytes_per_token(fmt, model_config.head_dim, heads, model_config.num_layers, dtype)
+    """Bytes one physical block takes across all layers, K and V (or the latent row a model's spec
+    declares), scales included (of this rank's KV heads under tensor parallelism)."""
+    spec = kv_cache_spec(model_config, num_kv_heads, kv_cache_dtype)
+    return block_size * spec.bytes_per_token(kv_cache_dtype, model_config.num_layers, dtype)
+
+
+def pool_block_bytes(
+    model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype, num_kv_heads: int | None = None,
+    draft_model_config: ModelConfig | None = None,
+) -> int:
+    """Bytes of one block id across the pool: the target's layers, and the draft model's when there is one."""
+    size = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype)
+    if draft_model_config is not None:
+        size += kv_block_bytes(draft_model_config, cache_config.block_size, dtype, None, cache_config.kv_cache_dtype)
+    return size
 
 
 def available_host_memory() -> int:
@@ -56,17 +72,17 @@ def decide_num_gpu_blocks(
     dtype: torch.dtype,
     num_kv_heads: int | None = None,
     host_share: int = 1,
+    draft_model_config: ModelConfig | None = None,
 ) -> int:
     """Explicit count, else a byte budget, else what free memory allows (measured after warm-up).
 
     num_kv_heads: this rank's KV heads (tensor parallelism); host_share: processes sharing this
-    host's memory for their CPU pools (the default CPU budget is split between them).
+    host's memory for their CPU pools (the default CPU budget is split between them);
+    draft_model_config: a draft model whose layers share each block (speculative decoding).
     """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_block_bytes(
-        model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype
-    )
+    block_bytes = pool_block_bytes(model_config, cache_config, dtype, num_kv_heads, draft_model_config)
     if cache_config.kv_cache_memory is not None:
         budget = cache_config.kv_cache_memory
     elif device.type == "cuda":
@@ -110,27 +126,42 @@ class CacheEngine:
         device: torch.device,
         dtype: torch.dtype,
         num_kv_heads: int | None = None,
+        draft_model_config: ModelConfig | None = None,
     ) -> None:
         self.block_size = cache_config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
-        num_kv_heads = num_kv_heads or model_config.num_kv_heads
+        self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.kv_format = kv_format(cache_config.kv_cache_dtype)
-        check_head_dim(self.kv_format, model_config.head_dim)
-        row = kv_pool_row(self.kv_format, model_config.head_dim)
-        storage = dtype if self.kv_format is None else self.kv_format.storage
-        shape = (model_config.num_layers, 2, 0, self.block_size, num_kv_heads, row)
-        gpu_shape = shape[:2] + (num_gpu_blocks,) + shape[3:]
-        cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
-        self.gpu_pool = zeroed_kv_pool(gpu_shape, storage, device)
-        pin = device.type == "cuda"
-        self.cpu_pool = torch.zeros(cpu_shape, dtype=storage, pin_memory=pin) if num_cpu_blocks else None
-        self.kv_caches = [(self.gpu_pool[layer, 0], self.gpu_pool[layer, 1]) for layer in range(shape[0])]
+        self.gpu_pool, self.cpu_pool, self.kv_caches = self._pools(model_config, num_kv_heads, dtype)
+        pools = [(self.gpu_pool, self.cpu_pool)]
+        self.draft_kv_caches: list[tuple[torch.Tensor, ...]] | None = None
+        if draft_model_config is not None:
+            draft_gpu, draft_cpu, self.draft_kv_caches = self._pools(draft_model_config, None, dtype)
+            pools.append((draft_gpu, draft_cpu))
         # Block moves are byte copies whatever the format (torch has no indexing kernels for float8 on
         # every device); these views share the pools' memory.
-        self._gpu_bytes = self.gpu_pool.view(torch.uint8)
-        self._cpu_bytes = None if self.cpu_pool is None else self.cpu_pool.view(torch.uint8)
+        self._byte_views = [
+            (gpu.view(torch.uint8), None if cpu is None else cpu.view(torch.uint8)) for gpu, cpu in pools
+        ]
+
+    def _pools(
+        self, model_config: ModelConfig, num_kv_heads: int | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, ...]]]:
+        """One model's device and CPU pools and, per layer, its views: (K, V), or (latent,) for a
+        one-pool spec (K and V pools of num_kv_heads heads, or what the model declares: MLA's latent)."""
+        spec = kv_cache_spec(model_config, num_kv_heads, self.kv_cache_dtype)
+        check_head_dim(self.kv_format, spec.head_dim)
+        row = kv_pool_row(self.kv_format, spec.head_dim)
+        storage = dtype if self.kv_format is None else self.kv_format.storage
+        shape = (model_config.num_layers, spec.num_pools, 0, self.block_size, spec.num_heads, row)
+        gpu_pool = zeroed_kv_pool(shape[:2] + (self.num_gpu_blocks,) + shape[3:], storage, self.device)
+        pin = self.device.type == "cuda"
+        cpu_shape = shape[:2] + (self.num_cpu_blocks,) + shape[3:]
+        cpu_pool = torch.zeros(cpu_shape, dtype=storage, pin_memory=pin) if self.num_cpu_blocks else None
+        kv_caches = [tuple(gpu_pool[layer, i] for i in range(spec.num_pools)) for layer in range(shape[0])]
+        return gpu_pool, cpu_pool, kv_caches
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) pair, all layers, K and V, in one indexing op."""
@@ -138,7 +169,8 @@ class CacheEngine:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self._gpu_bytes[:, :, dst] = self._gpu_bytes[:, :, src]
+        for gpu_bytes, _ in self._byte_views:
+            gpu_bytes[:, :, dst] = gpu_bytes[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> CPU blocks, (gpu, cpu) pairs, batched over all layers."""
@@ -146,7 +178,8 @@ class CacheEngine:
             return
         src = torch.tensor([g for g, _ in pairs], device=self.device)
         dst = torch.tensor([c for _, c in pairs])
-        self._cpu_bytes[:, :, dst] = self._gpu_bytes[:, :, src].to("cpu")
+        for gpu_bytes, cpu_bytes in self._byte_views:
+            cpu_bytes[:, :, dst] = gpu_bytes[:, :, src].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU blocks -> device blocks, (cpu, gpu) pairs, batched over all layers."""
@@ -154,4 +187,5 @@ class CacheEngine:
             return
         src = torch.tensor([c for c, _ in pairs])
         dst = torch.tensor([g for _, g in pairs], device=self.device)
-        self._gpu_bytes[:, :, dst] = self._cpu_bytes[:, :, src].to(self.device, non_blocking=True)
+        for gpu_bytes, cpu_bytes in self._byte_views:
+            gpu_bytes[:, :, dst] = cpu_bytes[:, :, src].to(self.device, non_blocking=True)

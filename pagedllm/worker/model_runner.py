@@ -9,7 +9,7 @@ computed this step sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -35,6 +35,31 @@ class SeqStepInput:
     # With prompt_logprobs on a chunk that does not end the prompt: the prompt token after the chunk,
     # which the chunk's last position predicts.
     next_prompt_token: int | None = None
+    # Speculative decoding: token_ids ends with these drafts, and every position from the last real
+    # token on samples a row (the row at draft j sees the drafts before it as generated tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
+    # With a draft model: how many drafts the worker's draft model proposes for this sequence before
+    # the target's forward (then appended to token_ids and draft_token_ids), and the token before
+    # token_ids, which the draft recomputes: its own KV lags the target's by that token when every
+    # draft of the previous step was accepted (the last draft was never fed to the draft model).
+    num_model_drafts: int = 0
+    previous_token_id: int | None = None
+
+    def sampling_rows(self) -> list[SamplingRow]:
+        """This sequence's sampler rows, in order."""
+        row = self.sampling_row
+        if row is None:
+            return []
+        if not self.draft_token_ids:
+            return [row] * self.num_samples
+        drafts = self.draft_token_ids
+        # A constrained sequence's row carries one bitmask per row, [drafts + 1, words]: row j's is
+        # its grammar's state after drafts[:j] (the engine's _grammar_bitmasks).
+        masks = row.token_bitmask
+        per_row = masks is not None and masks.dim() == 2
+        return [replace(row, output_token_ids=row.output_token_ids + drafts[:j], keep_generator_state=True,
+                        token_bitmask=masks[j] if per_row else masks)
+                for j in range(len(drafts) + 1)]
 
     @property
     def prompt_logprob_targets(self) -> list[int]:
@@ -80,7 +105,11 @@ class ModelRunner:
             context_lens.append(start + n)
             cached.append(start)
             if seq.sampling_row is not None:
-                sample_indices.extend([query_start_loc[-1] - 1] * seq.num_samples)
+                end = query_start_loc[-1]
+                if seq.draft_token_ids:
+                    sample_indices.extend(range(end - len(seq.draft_token_ids) - 1, end))
+                else:
+                    sample_indices.extend([end - 1] * seq.num_samples)
         max_context_len = max(context_lens)
         max_blocks = -(-max_context_len // block_size)
         tables = [_pad(seq.block_table[:max_blocks], max_blocks) for seq in step.seqs]
@@ -106,8 +135,7 @@ class ModelRunner:
         timer = self.step_timer
         with timer.phase("prepare_inputs"):
             input_ids, positions, meta, sample_indices = self.prepare(step)
-            rows = [seq.sampling_row for seq in step.seqs if seq.sampling_row is not None
-                    for _ in range(seq.num_samples)]
+            rows = [row for seq in step.seqs for row in seq.sampling_rows()]
         with timer.phase("forward"):
             hidden = self.model(input_ids, positions, kv_caches, meta)
         with timer.phase("logits"):

@@ -16,7 +16,7 @@ from pagedllm.distributed.parallel_state import TensorParallelState, building_wi
 from pagedllm.models.loader import build_model
 from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import Sampler, SamplerOutput
-from pagedllm.worker.cache_engine import CacheEngine, decide_num_gpu_blocks, kv_block_bytes
+from pagedllm.worker.cache_engine import CacheEngine, decide_num_gpu_blocks, pool_block_bytes
 from pagedllm.worker.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Worker:
         num_threads: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        draft_model_config: ModelConfig | None = None,
     ) -> None:
         tp_state = get_active_tp_state() if world_size > 1 else TensorParallelState()
         if tp_state is None or tp_state.world_size != world_size or tp_state.rank != rank:
@@ -71,6 +72,17 @@ class Worker:
             self.model = build_model(model_config, device)
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         vocab_size = self.model_config.hf_config.vocab_size
+        self.drafter = None
+        if draft_model_config is not None:
+            if world_size > 1:
+                raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
+            from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+            start = time.perf_counter()
+            self.drafter = DraftModelProposer(
+                build_model(draft_model_config, device), cache_config.block_size, device, vocab_size
+            )
+            logger.info("draft model loaded in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(eos_token_id=eos_token_id, vocab_size=vocab_size)
         self.runner = ModelRunner(self.model, cache_config.block_size, device, self.sampler)
         if device.type == "cuda" and cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
@@ -80,10 +92,10 @@ class Worker:
         dtype = model_config.dtype
         num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, world_size)
         host_share = world_size if device.type == "cpu" else 1
-        self.num_gpu_blocks = decide_num_gpu_blocks(model_config, cache_config, device, dtype, num_kv_heads, host_share)
-        block_bytes = kv_block_bytes(
-            model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype
+        self.num_gpu_blocks = decide_num_gpu_blocks(
+            model_config, cache_config, device, dtype, num_kv_heads, host_share, draft_model_config
         )
+        block_bytes = pool_block_bytes(model_config, cache_config, dtype, num_kv_heads, draft_model_config)
         if cache_config.num_cpu_blocks is not None:
             self.num_cpu_blocks = cache_config.num_cpu_blocks
         else:
@@ -95,12 +107,15 @@ class Worker:
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_state.control_group)
             self.num_gpu_blocks, self.num_cpu_blocks = (int(v) for v in counts.tolist())
         self.cache_engine = CacheEngine(
-            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads
+            model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads,
+            draft_model_config,
         )
         fmt = kv_format(cache_config.kv_cache_dtype)
         if fmt is not None and fmt.integer_grid:
             start = time.perf_counter()
-            layers = calibrate_key_offsets(self.model, vocab_size, device, model_config.max_model_len)
+            models = [self.model] + ([self.drafter.runner.model] if self.drafter is not None else [])
+            max_len = model_config.max_model_len
+            layers = sum(calibrate_key_offsets(model, vocab_size, device, max_len) for model in models)
             logger.info("key offsets of %d attention layers measured in %.1f s", layers, time.perf_counter() - start)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -116,7 +131,14 @@ class Worker:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         if self.rank != 0:
             return self._execute_shard(step)
-        return self.runner.execute(step, self.cache_engine.kv_caches, self.generator)
+        drafts = {}
+        if self.drafter is not None:
+            with self.runner.step_timer.phase("forward"):
+                self.drafter.propose(step, self.cache_engine.draft_kv_caches)
+            drafts = {seq.seq_id: seq.draft_token_ids for seq in step.seqs if seq.num_model_drafts}
+        output = self.runner.execute(step, self.cache_engine.kv_caches, self.generator)
+        output.model_draft_token_ids = drafts
+        return output
 
     @torch.inference_mode()
     def _execute_shard(self, step: StepInput) -> SamplerOutput:

@@ -144,6 +144,24 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_queries", "Prefix cache queries, in tokens.", stat(stats, "prefix_queries")
         )
         yield from counter("prefix_cache_hits", "Prefix cache hits, in tokens.", stat(stats, "prefix_hits"))
+        yield from spec_decode_counters(stats, labels, values)
+
+
+def spec_decode_counters(stats: dict[str, Any], labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """vLLM's speculative decoding counters; absent when the engine does not speculate."""
+    if "spec_decode_num_drafts" not in stats:
+        return
+    for key, doc in (("num_drafts", "Number of verified drafts."),
+                     ("num_draft_tokens", "Number of draft tokens proposed."),
+                     ("num_accepted_tokens", "Number of draft tokens accepted.")):
+        family = CounterMetricFamily(PREFIX + "spec_decode_" + key, doc, labels=labels)
+        family.add_metric(values, float(stats["spec_decode_" + key]))
+        yield family
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted draft tokens, per position in the draft.", labels=[*labels, "position"])
+    for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+        family.add_metric([*values, str(position)], float(count))
+    yield family
 
 
 def cache_config_info(stats: dict[str, Any], labels: list[str], values: list[str]) -> Iterable[Metric]:
