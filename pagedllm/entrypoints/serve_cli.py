@@ -54,6 +54,20 @@ def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                            "blocks; Hermes, Qwen2.5) or llama3_json (a JSON object; Llama 3.1/3.2).")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='Allow tool_choice "auto" (needs --tool-call-parser).')
+    replicas = parser.add_argument_group("data-parallel replicas on Ray (see the README)")
+    replicas.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                          help="Run this many whole engine replicas (each its own KV pool) as Ray actors behind this "
+                               "server (default %(default)s: one engine in this process). Needs pagedllm[ray].")
+    replicas.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                          help="ray: run the engine replicas as Ray actors (implied by --data-parallel-size > 1, "
+                               "even with one replica); mp: tensor parallelism's worker processes only.")
+    replicas.add_argument("--ray-address", default=None,
+                          help="The Ray cluster to join (e.g. auto, or HOST:6379); default: RAY_ADDRESS, or a Ray "
+                               "started on this machine.")
+    replicas.add_argument("--router", default="prefix", choices=["prefix", "round_robin", "least_loaded"],
+                          help="Which replica serves a request: prefix (the replica that cached the prompt's leading "
+                               "blocks, unless it is overloaded), round_robin or least_loaded (default %(default)s; "
+                               "pagedllm/core/router.py).")
     parser.add_argument("--root-path", default="",
                         help="The path prefix a proxy in front of the server strips (FastAPI's root_path).")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
@@ -91,13 +105,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def server_settings(args: argparse.Namespace) -> Any:
     """ServerSettings from parsed flags."""
+    from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
     from pagedllm.entrypoints.engine_flags import engine_args_from_cli
     from pagedllm.entrypoints.openai.settings import ServerSettings
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser.")
+    engine_args = engine_args_from_cli(args)
+    data_parallel = DataParallelConfig(
+        data_parallel_size=args.data_parallel_size, distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address, router=args.router,
+    )
+    try:  # before the model loads: a missing Ray is named at once
+        data_parallel.check(engine_args.tensor_parallel_size)
+    except DataParallelUnavailableError as exc:
+        raise SystemExit(f"pagedllm serve: {exc}") from None
     return ServerSettings(
-        engine_args=engine_args_from_cli(args),
+        engine_args=engine_args,
+        data_parallel=data_parallel,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

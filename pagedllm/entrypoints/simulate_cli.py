@@ -2,6 +2,7 @@
 
     pagedllm simulate --model-config opt-13b --hardware a100-40gb --trace sharegpt --rate 1 2 3
     pagedllm simulate --model-config opt-13b --rate 1 2 3 --kv-cache-dtype int8   # 8-bit KV cache
+    pagedllm simulate --model-config opt-13b --rate 8 16 24 --replicas 8 --router round_robin  # data parallel
 
 The lead's cli.py calls ``add_simulate_parser(subparsers)``; this module runs alone too
 (``python -m pagedllm.entrypoints.simulate_cli ...``).
@@ -14,6 +15,7 @@ import json
 import sys
 
 from pagedllm.config import KV_CACHE_DTYPES
+from pagedllm.core.router import ROUTER_POLICIES
 from pagedllm.simulator import (
     HARDWARE_PRESETS,
     MODEL_SHAPES,
@@ -50,6 +52,10 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     parser.add_argument("--swap-blocks", type=int, default=0, help="CPU swap pool, in blocks")
     parser.add_argument("--cost-model", default=None, help="a calibrated cost-model JSON (paper_calibrate.py)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel engines, each with the whole --hardware and KV pool")
+    parser.add_argument("--router", default="prefix", choices=ROUTER_POLICIES,
+                        help="which replica gets each request (pagedllm/core/router.py); with --replicas > 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.set_defaults(func=run_simulate)
@@ -73,6 +79,9 @@ def simulate_rows(args: argparse.Namespace) -> list[dict]:
           f"({shape.kv_bytes_per_token / 1024:g} KiB/token), {num_blocks} KV blocks of {args.block_size} tokens "
           f"({num_blocks * args.block_size} token slots), trace {args.trace}, {args.num_requests} requests")
     print(f"cost model: {cost_model.source}")
+    if args.replicas > 1:
+        print(f"{args.replicas} replicas (each the hardware and KV pool above), router {args.router}; "
+              "batched req is per replica")
     header = f"{'policy':<18} {'rate':>6} {'norm.lat s/tok':>14} {'batched req':>11} {'preempted':>9} " \
              f"{'token%':>7} {'reserv%':>7} {'intern%':>7} {'extern%':>7}"
     print(header)
@@ -84,6 +93,7 @@ def simulate_rows(args: argparse.Namespace) -> list[dict]:
                 policy=policy, block_size=args.block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=args.swap_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=shape.max_model_len, preemption_mode=args.preemption_mode,
+                num_replicas=args.replicas, router=args.router,
             )
             result = simulate(trace, cost_model, config)
             used = result.kv_waste.get("fraction_of_used", {})
@@ -94,6 +104,8 @@ def simulate_rows(args: argparse.Namespace) -> list[dict]:
                          "hardware": hw.name, "trace": args.trace, "block_size": args.block_size,
                          "num_gpu_blocks": num_blocks, "kv_cache_dtype": shape.kv_cache_dtype,
                          "kv_bytes_per_token": shape.kv_bytes_per_token})
+            if args.replicas > 1:
+                rows[-1].update(replicas=args.replicas, router=args.router, router_stats=result.router_stats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -8,6 +8,10 @@ sampled getting one token (parallel samples fork when the prompt is done, exactl
 engine). A request ends when its sequences reach the trace's output length. When nothing can
 run, the clock jumps to the next arrival.
 
+Data parallelism: ``SimConfig.num_replicas`` independent engines, each a full copy of the above
+(hardware, KV pool, scheduler, clock), with a ``core.router`` policy sending each request, at its
+arrival, to one of them; events of all replicas run in time order.
+
 Results are labelled ``simulated``. Normalized latency = mean over requests of (end-to-end
 latency / output length), the paper's metric.
 """
@@ -19,8 +23,10 @@ import statistics
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.router import Router, make_router
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
 from pagedllm.core.token_sink import ScriptedTokens
+from pagedllm.core.waste import CATEGORIES
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.simulator.cost_model import CostModel, StepFeatures
@@ -63,7 +69,10 @@ class SimConfig:
     track_kv_waste: bool = True
     # Off by default: the simulator reproduces the paper's figures, made with whole-prompt steps.
     enable_chunked_prefill: bool = False
-    max_steps: int = 2_000_000
+    max_steps: int = 2_000_000  # per replica
+    # Data parallelism: independent engines, each with the whole hardware and pool above.
+    num_replicas: int = 1
+    router: str = "prefix"  # one of core.router.ROUTER_POLICIES
 
 
 @dataclass
@@ -81,6 +90,8 @@ class SimResult:
     stats: dict = field(default_factory=dict)
     kv_waste: dict = field(default_factory=dict)
     simulated: bool = True
+    num_replicas: int = 1
+    router_stats: dict = field(default_factory=dict)  # the router's stats() (num_replicas > 1)
 
     def row(self) -> dict:
         return {k: getattr(self, k) for k in ("policy", "num_requests", "normalized_latency_s", "mean_latency_s",
@@ -144,70 +155,144 @@ def make_scheduler(config: SimConfig, kv_allocation: str, batching: str) -> Sche
     )
 
 
-def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimConfig) -> SimResult:
-    """Serve ``requests`` (sorted by arrival) with ``config.policy`` under ``cost_model``'s clock."""
+class _Replica:
+    """One simulated engine (scheduler, KV pool, clock); ``advance`` is one turn of the engine loop.
+
+    A step's outputs are applied when the clock reaches the step's end, so that a request routed
+    while the step runs sees the replica's load as it is then, finishing requests included.
+    """
+
+    def __init__(self, config: SimConfig, kv_allocation: str, batching: str, cost_model: CostModel) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.scheduler = make_scheduler(config, kv_allocation, batching)
+        self.tracker = self.scheduler.waste_tracker
+        self.sink = ScriptedTokens(sample_index_token)
+        self.clock = 0.0
+        self.blocked = False  # nothing could run: it waits for its next request
+        self.inbox: list[_Request] = []  # routed here, queued at the next step boundary
+        self.step_in_flight: SchedulerOutputs | None = None  # ends at self.clock
+        self.live: dict[str, _Request] = {}
+        self.num_steps = 0
+        self.weighted_batch = 0.0
+        self.busy_time = 0.0
+
+    def load(self) -> int:
+        """Requests in flight (waiting + running + swapped + routed but not yet queued)."""
+        return self.scheduler.get_num_unfinished_seq_groups() + len(self.inbox)
+
+    def deliver(self, request: _Request, now: float) -> None:
+        if self.blocked:
+            if self.tracker is not None:
+                self.tracker.reweight_last(now - self.clock)
+            self.clock = now  # idle until this request
+            self.blocked = False
+        self.inbox.append(request)
+
+    def advance(self, more_arrivals: bool, done: list[_Request]) -> None:
+        """Finish the step in flight, queue the inbox, schedule and time the next step."""
+        scheduler = self.scheduler
+        if self.step_in_flight is not None:
+            for group in scheduler.postprocess(self.step_in_flight, self.sink).groups_with_tokens:
+                if group.is_finished():
+                    request = self.live.pop(group.request_id)
+                    request.finish_time = self.clock
+                    done.append(request)
+            self.step_in_flight = None
+        if not (more_arrivals or self.inbox or scheduler.has_unfinished_seqs()):
+            self.blocked = True  # finished: nothing more will come
+            return
+        for request in self.inbox:
+            self.live[request.trace.request_id] = request
+            scheduler.add_seq_group(request.group)
+        self.inbox.clear()
+        out = scheduler.schedule()
+        for group in out.ignored_seq_groups:
+            request = self.live.pop(group.request_id)
+            request.finish_time = self.clock
+        if out.is_empty():
+            if more_arrivals or not scheduler.has_unfinished_seqs():
+                self.blocked = True
+            elif not out.ignored_seq_groups:
+                raise RuntimeError("simulation stuck: requests wait but nothing can run")
+            return
+        dt = self.cost_model.step_time(step_features(out, self.config.block_size))
+        if self.tracker is not None:
+            self.tracker.reweight_last(dt)
+        self.clock += dt
+        self.busy_time += dt
+        self.num_steps += 1
+        self.weighted_batch += dt * len(out.scheduled_seq_groups)
+        if self.num_steps > self.config.max_steps:
+            raise RuntimeError("simulation did not finish: the scheduler is stuck")
+        self.step_in_flight = out
+
+
+def _make_request(trace: TraceRequest, prompt: list[int], seq_id: int, block_size: int, max_len: int) -> _Request:
+    seq = Sequence(seq_id, prompt, block_size)
+    output_len = max(1, min(trace.output_len, max_len - trace.prompt_len))
+    params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
+                            ignore_eos=True)
+    group = SequenceGroup(trace.request_id, [seq], params, arrival_time=trace.arrival_time)
+    group.oracle_output_len = output_len
+    return _Request(trace, group)
+
+
+def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimConfig,
+             router: Router | None = None) -> SimResult:
+    """Serve ``requests`` (sorted by arrival) with ``config.policy`` under ``cost_model``'s clock.
+
+    With ``config.num_replicas`` > 1, that many independent engines (each with the whole
+    simulated hardware and KV pool) serve the trace; ``router`` (default: ``config.router``'s)
+    picks one per request at its arrival, from the replicas' loads at that moment. Events run in
+    time order: an arrival is routed before any step that starts at or after it.
+    """
     if config.policy not in POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}: use one of {', '.join(POLICIES)}")
+    if config.num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {config.num_replicas}")
     kv_allocation, batching = POLICIES[config.policy]
-    scheduler = make_scheduler(config, kv_allocation, batching)
-    sink = ScriptedTokens(sample_index_token)
+    replicas = [_Replica(config, kv_allocation, batching, cost_model) for _ in range(config.num_replicas)]
+    router = router or make_router(config.router, config.block_size)
     bs = config.block_size
     max_len = min(config.max_model_len, config.num_gpu_blocks * bs)
     pending = sorted(requests, key=lambda r: r.arrival_time)
-    live: dict[str, _Request] = {}
     done: list[_Request] = []
     next_arrival = 0
-    clock = 0.0
-    num_steps = 0
-    weighted_batch = 0.0
-    busy_time = 0.0
-    tracker = scheduler.waste_tracker
-    while next_arrival < len(pending) or scheduler.has_unfinished_seqs():
-        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= clock:
+    while True:
+        # The replica whose next step boundary comes first (ties: the lowest id).
+        stepping = min((r for r in replicas if not r.blocked), key=lambda r: r.clock, default=None)
+        next_step = stepping.clock if stepping is not None else math.inf
+        if next_arrival < len(pending) and pending[next_arrival].arrival_time <= next_step:
             trace = pending[next_arrival]
-            next_arrival += 1
             # Distinct token ids per request so that no block is shared by accident.
-            seq_id = scheduler.next_seq_id()
-            prompt = [seq_id * 7919 + i for i in range(trace.prompt_len)]
-            seq = Sequence(seq_id, prompt, bs)
-            output_len = max(1, min(trace.output_len, max_len - trace.prompt_len))
-            params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
-                                    ignore_eos=True)
-            group = SequenceGroup(trace.request_id, [seq], params, arrival_time=trace.arrival_time)
-            group.oracle_output_len = output_len
-            live[trace.request_id] = _Request(trace, group)
-            scheduler.add_seq_group(group)
-        out = scheduler.schedule()
-        for group in out.ignored_seq_groups:
-            request = live.pop(group.request_id)
-            request.finish_time = clock
-        if out.is_empty():
-            if next_arrival < len(pending):
-                if tracker is not None:
-                    tracker.reweight_last(pending[next_arrival].arrival_time - clock)
-                clock = pending[next_arrival].arrival_time  # idle until the next request
-                continue
-            if scheduler.has_unfinished_seqs() and not out.ignored_seq_groups:
-                raise RuntimeError("simulation stuck: requests wait but nothing can run")
+            prompt = [next_arrival * 7919 + i for i in range(trace.prompt_len)]
+            chosen = 0
+            if len(replicas) > 1:
+                chosen = router.choose(prompt, {i: r.load() for i, r in enumerate(replicas)})
+                router.record(chosen, prompt)
+            replica = replicas[chosen]
+            seq_id = replica.scheduler.next_seq_id()
+            replica.deliver(_make_request(trace, prompt, seq_id, bs, max_len), trace.arrival_time)
+            next_arrival += 1
             continue
-        dt = cost_model.step_time(step_features(out, bs))
-        if tracker is not None:
-            tracker.reweight_last(dt)
-        clock += dt
-        busy_time += dt
-        num_steps += 1
-        weighted_batch += dt * len(out.scheduled_seq_groups)
-        if num_steps > config.max_steps:
-            raise RuntimeError("simulation did not finish: the scheduler is stuck")
-        for group in scheduler.postprocess(out, sink).groups_with_tokens:
-            if group.is_finished():
-                request = live.pop(group.request_id)
-                request.finish_time = clock
-                done.append(request)
-    assert scheduler.block_manager.all_free(), "the simulation leaked KV blocks"
+        if stepping is None:
+            break
+        stepping.advance(next_arrival < len(pending), done)
+    for replica in replicas:
+        if replica.scheduler.has_unfinished_seqs():
+            raise RuntimeError("simulation stuck: requests wait but nothing can run")
+        assert replica.scheduler.block_manager.all_free(), "the simulation leaked KV blocks"
+    clock = max(r.clock for r in replicas)
+    busy_time = sum(r.busy_time for r in replicas)
     latencies = [(r.finish_time - r.trace.arrival_time) for r in done]
     normalized = [lat / r.group.sampling_params.max_tokens for lat, r in zip(latencies, done)]
-    stats = scheduler.get_stats()
+    if len(replicas) == 1:
+        stats = replicas[0].scheduler.get_stats()
+        kv_waste = stats.get("kv_waste", {})
+    else:
+        stats = merge_stats([r.scheduler.get_stats() for r in replicas])
+        kv_waste = merge_kv_waste([r.tracker for r in replicas])
     return SimResult(
         policy=config.policy,
         num_requests=len(done),
@@ -215,13 +300,45 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
         normalized_latency_s=statistics.fmean(normalized) if normalized else math.nan,
         mean_latency_s=statistics.fmean(latencies) if latencies else math.nan,
         throughput_req_s=len(done) / clock if clock > 0 else math.nan,
-        avg_batched_requests=weighted_batch / busy_time if busy_time > 0 else 0.0,
-        num_steps=num_steps,
+        avg_batched_requests=sum(r.weighted_batch for r in replicas) / busy_time if busy_time > 0 else 0.0,
+        num_steps=sum(r.num_steps for r in replicas),
         num_preempted=stats["num_preempted"],
         num_ignored=stats["num_ignored"],
         stats={k: v for k, v in stats.items() if k != "kv_waste"},
-        kv_waste=stats.get("kv_waste", {}),
+        kv_waste=kv_waste,
+        num_replicas=len(replicas),
+        router_stats=router.stats() if len(replicas) > 1 else {},
     )
+
+
+def merge_stats(per_replica: list[dict]) -> dict:
+    """Counters summed over replicas (the cluster's totals); the prefix-cache hit rate recomputed."""
+    merged = {}
+    for key, value in per_replica[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            merged[key] = sum(stats[key] for stats in per_replica)
+    queried = merged.get("prefix_cache_queried_tokens", 0)
+    if "prefix_cache_hit_rate" in merged:
+        merged["prefix_cache_hit_rate"] = merged["prefix_cache_hit_tokens"] / queried if queried else 0.0
+    return merged
+
+
+def merge_kv_waste(trackers: list) -> dict:
+    """The KV waste of one replica on average: slots per category weighted by each replica's time."""
+    summaries = [(t.total_weight, t.summary()) for t in trackers if t is not None and t.total_weight > 0]
+    total = sum(weight for weight, _ in summaries)
+    if not summaries or total <= 0:
+        return {"observations": 0}
+    slots = {name: sum(w * s["slots"][name] for w, s in summaries) / total for name in CATEGORIES}
+    pool = sum(w * s["pool_slots"] for w, s in summaries) / total
+    used = pool - slots["free"]
+    return {
+        "observations": sum(s["observations"] for _, s in summaries),
+        "pool_slots": pool,
+        "slots": slots,
+        "fraction_of_pool": {name: slots[name] / pool for name in CATEGORIES},
+        "fraction_of_used": {name: (slots[name] / used if used else 0.0) for name in CATEGORIES if name != "free"},
+    }
 
 
 def sustained_rate(rates: list[float], latencies: list[float], threshold_s: float) -> float:

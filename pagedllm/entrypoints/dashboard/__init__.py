@@ -17,7 +17,12 @@ def install_dashboard(app: Any, async_engine: Any, title: str) -> DashboardHub:
     """Serve the dashboard of ``async_engine`` on ``app``; returns its hub."""
     from pagedllm.entrypoints.dashboard.engine_source import EngineSource, observe_latencies
 
-    hub = DashboardHub(EngineSource(async_engine))
+    if hasattr(async_engine, "capture_replica_snapshot"):  # replicas on Ray: draw one replica's pool
+        from pagedllm.entrypoints.dashboard.replica_source import ReplicaSource
+
+        hub = DashboardHub(ReplicaSource(async_engine))
+    else:
+        hub = DashboardHub(EngineSource(async_engine))
     observe_latencies(async_engine, hub)
     add_dashboard_routes(app, hub, title)
     return hub

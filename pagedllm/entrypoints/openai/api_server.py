@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
+from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.dashboard import install_dashboard
@@ -91,6 +92,7 @@ def build_app(
     response_role: str = "assistant",
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    data_parallel: DataParallelConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args, on the engine's own thread,
     unless ``engine`` is given).
@@ -99,6 +101,8 @@ def build_app(
     requests in flight with an error. ``on_engine_dead`` is called once if the engine fails for
     good (run_server ends the process there); without it the app stays up and answers 503/500.
     ``chat_template``: a file or the template text, used instead of the tokenizer's.
+    ``data_parallel``: engine replicas on Ray behind this app (distributed/replica_frontend.py)
+    instead of one engine here, when it asks for them.
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
@@ -113,7 +117,14 @@ def build_app(
         model = engine_args.model if engine_args is not None else None
         names = [model if model else DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
-    if engine is None:
+    if engine is None and data_parallel is not None and data_parallel.uses_replicas:
+        from pagedllm.distributed.replica_frontend import ReplicatedEngine
+
+        async_engine = ReplicatedEngine.from_engine_args(
+            engine_args or EngineArgs(), data_parallel, output_observer=metrics.observe_output, on_dead=on_engine_dead
+        )
+        engine = async_engine.engine
+    elif engine is None:
         async_engine = AsyncLLMEngine.from_engine_args(
             engine_args or EngineArgs(), output_observer=metrics.observe_output, on_dead=on_engine_dead
         )
@@ -263,6 +274,7 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
             response_role=settings.response_role,
             tool_call_parser=settings.tool_call_parser,
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
+            data_parallel=settings.data_parallel,
         )
     except ValueError as exc:  # a setting that cannot work: say which, exit 2 as argparse does
         logger.error("%s", exc)

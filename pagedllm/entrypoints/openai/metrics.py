@@ -87,64 +87,81 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.metrics.stats
-        labels = ["model_name"]
-        values = [self.metrics.model_name]
+        replicas = stats.get("replicas")
+        if not isinstance(replicas, dict):  # one engine in this process
+            yield from engine_families(stats, ["model_name"], [self.metrics.model_name],
+                                       float(self.metrics.requests_in_flight()))
+            return
+        # Data-parallel replicas (distributed/replica_frontend.py): every family once, one sample per replica.
+        merged: dict[str, Metric] = {}
+        for replica, replica_stats in sorted(replicas.items()):
+            for family in engine_families(replica_stats, ["model_name", "replica"],
+                                          [self.metrics.model_name, str(replica)],
+                                          float(replica_stats.get("requests_in_flight", 0))):
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+        yield from replica_families(stats, self.metrics.model_name)
 
-        def gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
-            if value is None:
-                return []
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return [family]
 
-        def counter(name: str, doc: str, value: float | None) -> Iterable[Metric]:
-            if value is None:
-                return []
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return [family]
+def engine_families(stats: dict[str, Any], labels: list[str], values: list[str], in_flight: float) -> Iterator[Metric]:
+    """The gauges and counters of one engine's stats, each sample labelled ``values``."""
 
-        running = stat(stats, "running")
-        if running is None:  # an engine without queue stats: count what the server has in flight
-            running = float(self.metrics.requests_in_flight())
-        yield from gauge("num_requests_running", "Number of requests in the running batch.", running)
-        yield from gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", stat(stats, "waiting"))
-        yield from gauge("num_requests_swapped", "Number of requests swapped out to CPU.", stat(stats, "swapped"))
-        total = stat(stats, "total_gpu_blocks")
-        used = used_gpu_blocks(stats)
-        usage = used / total if used is not None and total else (0.0 if total else None)
-        yield from gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).", usage)
-        yield from gauge("gpu_cache_usage_perc", "Fraction of device KV cache blocks in use (1 = 100%).", usage)
-        cpu_total, cpu_used = stat(stats, "total_cpu_blocks"), stat(stats, "used_cpu_blocks")
-        if cpu_used is None and cpu_total is not None and stat(stats, "free_cpu_blocks") is not None:
-            cpu_used = cpu_total - (stat(stats, "free_cpu_blocks") or 0.0)
-        cpu_usage = cpu_used / cpu_total if cpu_total and cpu_used is not None else (0.0 if cpu_total == 0 else None)
-        yield from gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = 100%).", cpu_usage)
-        yield from gauge("num_gpu_blocks", "Device KV cache blocks in the pool.", total)
-        yield from gauge("num_cpu_blocks", "CPU swap blocks in the pool.", cpu_total)
-        yield from gauge(
-            "kv_cache_bytes_per_token",
-            "KV cache bytes one token takes: K and V of every layer, quantization scales included "
-            "(this rank's share under tensor parallelism).",
-            stat(stats, "kv_bytes_per_token"),
-        )
-        yield from gauge("kv_cache_block_bytes", "Bytes of one KV cache block.", stat(stats, "kv_block_bytes"))
-        yield from gauge("kv_cache_pool_bytes", "Bytes of the device KV cache pool.", stat(stats, "kv_gpu_pool_bytes"))
-        yield from cache_config_info(stats, labels, values)
-        yield from gauge("num_gpu_blocks_used", "Device KV cache blocks held by requests.", used)
-        yield from gauge(
-            "num_requests_in_flight", "Requests the server is serving now.", float(self.metrics.requests_in_flight())
-        )
-        yield from counter("prompt_tokens", "Number of prefill tokens processed.", stat(stats, "prompt_tokens"))
-        yield from counter(
-            "generation_tokens", "Number of generation tokens processed.", stat(stats, "generation_tokens")
-        )
-        yield from counter("num_preemptions", "Cumulative number of preemptions.", stat(stats, "preemptions"))
-        yield from counter(
-            "prefix_cache_queries", "Prefix cache queries, in tokens.", stat(stats, "prefix_queries")
-        )
-        yield from counter("prefix_cache_hits", "Prefix cache hits, in tokens.", stat(stats, "prefix_hits"))
-        yield from spec_decode_counters(stats, labels, values)
+    def gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
+        if value is None:
+            return []
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        family.add_metric(values, value)
+        return [family]
+
+    def counter(name: str, doc: str, value: float | None) -> Iterable[Metric]:
+        if value is None:
+            return []
+        family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        family.add_metric(values, value)
+        return [family]
+
+    running = stat(stats, "running")
+    if running is None:  # an engine without queue stats: count what the server has in flight
+        running = in_flight
+    yield from gauge("num_requests_running", "Number of requests in the running batch.", running)
+    yield from gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", stat(stats, "waiting"))
+    yield from gauge("num_requests_swapped", "Number of requests swapped out to CPU.", stat(stats, "swapped"))
+    total = stat(stats, "total_gpu_blocks")
+    used = used_gpu_blocks(stats)
+    usage = used / total if used is not None and total else (0.0 if total else None)
+    yield from gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).", usage)
+    yield from gauge("gpu_cache_usage_perc", "Fraction of device KV cache blocks in use (1 = 100%).", usage)
+    cpu_total, cpu_used = stat(stats, "total_cpu_blocks"), stat(stats, "used_cpu_blocks")
+    if cpu_used is None and cpu_total is not None and stat(stats, "free_cpu_blocks") is not None:
+        cpu_used = cpu_total - (stat(stats, "free_cpu_blocks") or 0.0)
+    cpu_usage = cpu_used / cpu_total if cpu_total and cpu_used is not None else (0.0 if cpu_total == 0 else None)
+    yield from gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = 100%).", cpu_usage)
+    yield from gauge("num_gpu_blocks", "Device KV cache blocks in the pool.", total)
+    yield from gauge("num_cpu_blocks", "CPU swap blocks in the pool.", cpu_total)
+    yield from gauge(
+        "kv_cache_bytes_per_token",
+        "KV cache bytes one token takes: K and V of every layer, quantization scales included "
+        "(this rank's share under tensor parallelism).",
+        stat(stats, "kv_bytes_per_token"),
+    )
+    yield from gauge("kv_cache_block_bytes", "Bytes of one KV cache block.", stat(stats, "kv_block_bytes"))
+    yield from gauge("kv_cache_pool_bytes", "Bytes of the device KV cache pool.", stat(stats, "kv_gpu_pool_bytes"))
+    yield from cache_config_info(stats, labels, values)
+    yield from gauge("num_gpu_blocks_used", "Device KV cache blocks held by requests.", used)
+    yield from gauge("num_requests_in_flight", "Requests the server is serving now.", in_flight)
+    yield from counter("prompt_tokens", "Number of prefill tokens processed.", stat(stats, "prompt_tokens"))
+    yield from counter(
+        "generation_tokens", "Number of generation tokens processed.", stat(stats, "generation_tokens")
+    )
+    yield from counter("num_preemptions", "Cumulative number of preemptions.", stat(stats, "preemptions"))
+    yield from counter(
+        "prefix_cache_queries", "Prefix cache queries, in tokens.", stat(stats, "prefix_queries")
+    )
+    yield from counter("prefix_cache_hits", "Prefix cache hits, in tokens.", stat(stats, "prefix_hits"))
+    yield from spec_decode_counters(stats, labels, values)
 
 
 def spec_decode_counters(stats: dict[str, Any], labels: list[str], values: list[str]) -> Iterable[Metric]:
@@ -182,6 +199,40 @@ def cache_config_info(stats: dict[str, Any], labels: list[str], values: list[str
     )
     family.add_metric([*values, *info.values()], 1.0)
     return [family]
+
+
+def replica_families(stats: dict[str, Any], model_name: str) -> Iterable[Metric]:
+    """Data parallelism: which replicas are live, requests run again elsewhere, the router's decisions."""
+    live = GaugeMetricFamily(PREFIX + "replica_live", "1 while the replica serves (in routing), 0 while it is down.",
+                             labels=["model_name", "replica"])
+    for replica, is_live in sorted(stats.get("replica_live", {}).items()):
+        live.add_metric([model_name, str(replica)], 1.0 if is_live else 0.0)
+    yield live
+    retries = CounterMetricFamily(PREFIX + "replica_request_retries",
+                                  "Requests run again on another replica after theirs failed before any output.",
+                                  labels=["model_name"])
+    retries.add_metric([model_name], float(stats.get("request_retries", 0)))
+    yield retries
+    router = stats.get("router") or {}
+    policy = str(router.get("policy", ""))
+    decisions = CounterMetricFamily(PREFIX + "router_decisions",
+                                    "Routing decisions by reason (prefix_hit, cold, overloaded, round_robin, ...).",
+                                    labels=["model_name", "policy", "reason"])
+    for reason, count in sorted(router.get("decisions", {}).items()):
+        decisions.add_metric([model_name, policy, str(reason)], float(count))
+    yield decisions
+    for key, kind, doc in (
+        ("requests", CounterMetricFamily, "Requests the router sent to each replica."),
+        ("prefix_hit_blocks", CounterMetricFamily, "Prompt blocks routed to a replica that held them (by the "
+                                                   "router's record)."),
+        ("indexed_blocks", GaugeMetricFamily, "Block hashes the prefix router remembers per replica."),
+    ):
+        if key not in router:
+            continue
+        family = kind(PREFIX + "router_" + key, doc, labels=["model_name", "replica"])
+        for replica, value in sorted(router[key].items()):
+            family.add_metric([model_name, str(replica)], float(value))
+        yield family
 
 
 class ServerMetrics:

@@ -35,12 +35,18 @@ def _ctx(request: Request) -> ServingContext:
 @router.get("/health")
 async def health(request: Request) -> Response:
     async_engine = _ctx(request).async_engine
+    replica_health = getattr(async_engine, "replica_health", None)
     if not async_engine.is_healthy:
         if async_engine.dead_error is not None:
             message = "The engine has failed; the server is shutting down to be restarted."
         else:
             message = "The server is shutting down."
+        if replica_health is not None and async_engine.dead_error is None and not replica_health()["live_replicas"]:
+            # Replicas on Ray, all down for now: Ray restarts them.
+            message = f"No engine replica is live (0 of {replica_health()['replicas']}); they are restarting."
         return APIError(503, message, code="unhealthy").response()
+    if replica_health is not None:
+        return JSONResponse({"status": "ok", **replica_health()})
     return JSONResponse({"status": "ok"})
 
 

@@ -295,6 +295,9 @@ class ServingContext:
             return APIError(500, str(exc), code="request_failed", err_type="server_error")
         if isinstance(exc, RequestAbortedError):
             return APIError(500, str(exc), code="request_aborted", err_type="server_error")
+        if isinstance(exc, EngineDeadError) and getattr(exc, "http_status", None) is not None:
+            # Replicas on Ray (distributed/replica_frontend.py): none live now, or this one failed mid-answer.
+            return APIError(exc.http_status, str(exc), code=getattr(exc, "code", None))
         if isinstance(exc, EngineDeadError):
             if self.async_engine.dead_error is None:
                 return APIError(503, "The server is shutting down; retry the request.", code="server_shutting_down")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
+from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.entrypoints.openai import defaults
 
 
@@ -31,3 +32,5 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     # The path prefix a proxy in front of the server strips (FastAPI's root_path).
     root_path: str = ""
+    # Engine replicas on Ray behind this one front end (--data-parallel-size, ...); the default: one engine here.
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)

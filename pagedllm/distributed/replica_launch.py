@@ -1,0 +1,80 @@
+"""Starting data-parallel replicas: join Ray, start the actors, wait for their engines.
+
+The front end needs the tokenizer and the configs but no weights: the model's config and the
+tokenizer load here (a wrong path fails before any actor starts), the scheduler and cache configs
+and the pool's size come from the replicas themselves (their engines computed them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
+from pagedllm.distributed.ray_replicas import launch_replicas
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineShell:
+    """What the server reads off ``async_engine.engine``: configs, tokenizer, grammar compiler, pool."""
+
+    model_config: Any
+    scheduler_config: Any
+    cache_config: Any
+    tokenizer: Any
+    structured_outputs: Any
+    kv_cache_info: dict[str, Any]
+    max_seq_len: int
+
+
+def start_replicas(engine_args: EngineArgs, config: DataParallelConfig) -> tuple[EngineShell, list[Any], bool]:
+    """(the front end's EngineShell, the replicas' actor handles, whether Ray was started here)."""
+    import ray
+
+    from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
+    from pagedllm.structured import StructuredOutputManager
+    from pagedllm.worker.worker import resolve_device
+
+    model_config = load_model_config(
+        engine_args.model, engine_args.dtype, engine_args.max_model_len, engine_args.quantization,
+        revision=engine_args.revision, download_dir=engine_args.download_dir, gguf_file=engine_args.gguf_file,
+    )
+    if engine_args.tokenizer:
+        model_config.tokenizer_path = resolve_tokenizer_path(engine_args.tokenizer, engine_args.download_dir)
+    tokenizer = load_tokenizer(model_config)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        try:
+            ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as exc:
+            raise DataParallelUnavailableError(
+                f"Cannot join the Ray cluster at {config.ray_address or 'RAY_ADDRESS / a new local one'}: {exc}"
+            ) from exc
+    # One CPU (and torch thread) per replica unless --num-threads says otherwise: Ray then places
+    # replicas by free cores.
+    replica_args = dataclasses.replace(engine_args, num_threads=engine_args.num_threads or 1)
+    num_gpus = 1.0 if resolve_device(engine_args.device).type == "cuda" else 0.0
+    actors = launch_replicas(replica_args, config.data_parallel_size, config.max_restarts, num_gpus)
+    try:
+        described = ray.get([actor.describe.remote() for actor in actors])
+    except Exception:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if owns_ray:
+            ray.shutdown()
+        raise
+    first = described[0]
+    logger.info("%d engine replica(s) on Ray (pids %s), router %s", len(actors), [d["pid"] for d in described],
+                config.router)
+    shell = EngineShell(
+        model_config=model_config, scheduler_config=first["scheduler_config"], cache_config=first["cache_config"],
+        tokenizer=tokenizer,
+        structured_outputs=StructuredOutputManager(tokenizer, model_config.hf_config.vocab_size),
+        kv_cache_info=first["kv_cache_info"], max_seq_len=min(d["max_seq_len"] for d in described),
+    )
+    return shell, actors, owns_ray
