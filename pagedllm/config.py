@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from pagedllm.json_setting import json_object_setting
+from pagedllm.pooler_config import CONVERTS, RUNNERS, TASKS, PoolerConfig, check_runner_settings
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -67,6 +72,10 @@ class CacheConfig:
 KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
+# How tensor-parallel ranks start: child processes of the engine's (or torchrun's), or Ray actors.
+EXECUTOR_BACKENDS = ("mp", "ray")
+# Ray placement group strategies for a tensor-parallel group's ranks (distributed/ray_ranks.py).
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
@@ -130,15 +139,7 @@ class SpeculativeConfig:
         """From a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}.")
+        value = json_object_setting(value, "speculative_config")
         # One bound given: the other default moves so that min <= max still holds.
         defaults = {name: field.default for name, field in cls.__dataclass_fields__.items()}
         if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
@@ -147,10 +148,7 @@ class SpeculativeConfig:
             value = {**value, "prompt_lookup_max": max(value["prompt_lookup_min"], defaults["prompt_lookup_max"])}
         if "model" in value and "method" not in value:
             value = {**value, "method": "draft_model"}  # vLLM's reading: a model alone names a draft model
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys: {', '.join(sorted(unknown))}.")
-        return cls(**value)
+        return cls(**json_object_setting(value, "speculative_config", set(cls.__dataclass_fields__)))
 
 
 @dataclass(slots=True)
@@ -254,47 +252,261 @@ class ModelConfig:
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "awq", "gptq", "gguf", "dequantize")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+BATCHING_MODES = ("iteration", "request")
+# The command line's groups of EngineArgs fields, in --help order; a field declared without
+# setting() lands in the last one.
+ENGINE_ARG_GROUPS = (
+    "model and loading",
+    "quantization",
+    "memory and KV cache",
+    "scheduling",
+    "parallelism and device",
+    "speculative decoding",
+    "other engine settings",
+)
+# `pagedllm serve`'s groups of ServerSettings and DataParallelConfig fields, in --help order; the
+# first one's flags sit in the parser's own options list, next to MODEL.
+SERVER_ARG_GROUPS = (
+    "server",
+    "limits (see the README's Hardening section)",
+    "chat",
+    "data-parallel replicas on Ray (see the README)",
+)
+
+
+def setting(
+    default: Any,
+    group: str,
+    help: str,
+    *,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    aliases: Sequence[str] = (),
+    negative_aliases: Sequence[str] = (),
+    byte_size: bool = False,
+    metavar: str | None = None,
+    positive: bool = False,
+    parse: Callable[[str], Any] | None = None,
+) -> Any:
+    """A settings field (EngineArgs', or the server's ServerSettings' and DataParallelConfig's) with what its
+    command-line flag needs (entrypoints/engine_flags.py builds it).
+
+    ``group``: one of ENGINE_ARG_GROUPS or SERVER_ARG_GROUPS; ``choices``: the values, or a function
+    giving them when the flag is built (a registry this module must not import); ``aliases``: more
+    option strings (``-q``); ``negative_aliases``: flags that set a bool False (``--no-prefix-caching``);
+    ``byte_size``: the value may be a size text such as "2GiB"; ``positive``: the flag refuses an int
+    below 1, a float not above 0 or infinite; ``parse``: how the flag's text becomes the value (str.lower).
+    """
+    if group not in ENGINE_ARG_GROUPS + SERVER_ARG_GROUPS:
+        raise ValueError(f"group must be one of {', '.join(ENGINE_ARG_GROUPS + SERVER_ARG_GROUPS)}, got {group!r}.")
+    metadata = {
+        "help": help,
+        "group": group,
+        "choices": tuple(choices) if choices is not None and not callable(choices) else choices,
+        "aliases": tuple(aliases),
+        "negative_aliases": tuple(negative_aliases),
+        "byte_size": byte_size,
+        "metavar": metavar,
+        "positive": positive,
+        "parse": parse,
+    }
+    return field(default=default, metadata=metadata)
+
+
+def check_setting_names(names: Iterable[str], owner: str) -> None:
+    """A TypeError naming each of ``names`` that is no EngineArgs field, with the closest valid names."""
+    valid = [spec.name for spec in fields(EngineArgs)]
+    unknown = [name for name in names if name not in valid]
+    if not unknown:
+        return
+    problems = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=3)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        problems.append(f"{name!r}{hint}")
+    raise TypeError(
+        f"{owner} got unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(problems)}; "
+        "every setting is a field of EngineArgs (pagedllm/config.py)."
+    )
+
+
 @dataclass(slots=True)
 class EngineArgs:
-    """Everything a user can set, flat, as LLM(...) and the command line take them."""
+    """Everything a user can set, flat, as LLM(...) and the command line take them.
 
-    model: str | None = None
-    tokenizer: str | None = None
-    # Hub ids (models/hub.py): the branch, tag or commit; the hub cache folder (default: HF_HOME's);
-    # the GGUF file of a repo holding several (or ORG/NAME:QUANT).
-    revision: str | None = None
-    download_dir: str | None = None
-    gguf_file: str | None = None
-    dtype: str = "auto"
-    quantization: str | None = None
-    int8_activations: bool | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
-    swap_space: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    num_threads: int | None = None
-    kv_allocation: str = "paged"
-    batching: str = "iteration"
-    track_kv_waste: bool = False
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    long_prompt_chunk_tokens: int = 256
-    max_prefill_tokens_while_decoding: int = 0
-    # Ranks the model is split over (Megatron-style, heads and MLP); > 1 starts worker processes.
-    tensor_parallel_size: int = 1
-    # Speculative decoding (SpeculativeConfig, or its dict / JSON form); None: off.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    The one place a setting is written: a field declared with setting() carries its help, group,
+    choices and flag aliases, from which entrypoints/engine_flags.py makes the flags of `generate`,
+    `chat` and `serve`; LLM(**kwargs) takes every field. A plain field gets a flag too, with a
+    generic help. Byte sizes (kv_cache_memory, swap_space) may be texts such as "2GiB".
+    """
+
+    model: str | None = setting(
+        None, "model and loading",
+        "Hugging Face folder, GGUF file or hub id ORG/NAME[:QUANT] (default: the embedded SmolLM2-135M-Instruct).",
+    )
+    tokenizer: str | None = setting(
+        None, "model and loading", "Tokenizer folder or hub id, when not the model's own."
+    )
+    revision: str | None = setting(None, "model and loading", "Hub id: branch, tag or commit (default: main).")
+    download_dir: str | None = setting(
+        None, "model and loading", "Hub id: the hub cache folder to download to and load from (default: HF_HOME's)."
+    )
+    gguf_file: str | None = setting(
+        None, "model and loading", "GGUF repo (or folder): the .gguf file to load, when it holds several (or ID:QUANT)."
+    )
+    dtype: str = setting(
+        "auto", "model and loading",
+        "Weights and activations: auto (bfloat16 where the device multiplies it natively, else float32), float32, "
+        "bfloat16 or float16.",
+        choices=DTYPES,
+    )
+    quantization: str | None = setting(
+        None, "quantization",
+        "Weight-only quantization of a float checkpoint at load time (int4: groups of 128 unless -gNN). AWQ / GPTQ "
+        "checkpoints and GGUF files keep their own packed types without it ('awq' / 'gptq' only confirm it); "
+        "'dequantize' loads a GGUF as float32 instead.",
+        choices=QUANTIZATIONS, aliases=("-q",),
+    )
+    int8_activations: bool | None = setting(
+        None, "quantization",
+        "Quantized weights: multiply with activations quantized to int8 (integer dot products; default: wherever "
+        "the CPU has them). --no-int8-activations keeps float activations (exactly the dequantized model's results).",
+    )
+    block_size: int = setting(16, "memory and KV cache", "Token slots per KV block (a power of two).")
+    kv_cache_memory: int | str | None = setting(
+        None, "memory and KV cache",
+        "Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of the free memory measured after a warm-up).",
+        byte_size=True,
+    )
+    num_kv_blocks: int | None = setting(
+        None, "memory and KV cache", "KV pool size in blocks (wins over kv_cache_memory)."
+    )
+    kv_cache_dtype: str = setting(
+        "auto", "memory and KV cache",
+        "KV cache storage: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8 or int4, each with scales per "
+        "token and KV head (int4: per 32 values); 8 bits hold ~1.94x the tokens of bfloat16 in the same memory, "
+        "int4 ~3.2x.",
+        choices=KV_CACHE_DTYPES,
+    )
+    swap_space: int | str = setting(
+        0, "memory and KV cache", "CPU memory for swapped-out blocks, e.g. 4GiB (preemption by swap).", byte_size=True
+    )
+    max_num_seqs: int = setting(256, "scheduling", "Most sequences in one step.")
+    # None: chosen by LLMEngine.from_engine_args once the model's length is known.
+    max_num_batched_tokens: int | None = setting(
+        None, "scheduling",
+        "Token budget of one step (default: 512 with chunked prefill, else max(max_model_len, 8192)).",
+    )
+    max_model_len: int | None = setting(None, "model and loading", "Context length (default: the model's).")
+    seed: int = setting(0, "model and loading", "Seed of the engine's random generator (a request's own seed wins).")
+    device: str = setting("auto", "parallelism and device", "auto (CUDA when torch sees a GPU), cpu or cuda[:N].")
+    enable_prefix_caching: bool = setting(
+        True, "memory and KV cache", "Share the KV blocks of common prompt prefixes.",
+        negative_aliases=("--no-prefix-caching",),
+    )
+    preemption_mode: str = setting(
+        "recompute", "scheduling", "How preempted sequences come back (auto: swap when the CPU pool has room).",
+        choices=PREEMPTION_MODES,
+    )
+    num_threads: int | None = setting(
+        None, "parallelism and device", "CPU threads for torch (default: every core the OS reports)."
+    )
+    kv_allocation: str = setting(
+        "paged", "memory and KV cache",
+        "Paged blocks (ours) or one of the paper's contiguous reservation baselines (core/policies.py).",
+        choices=KV_ALLOCATIONS,
+    )
+    batching: str = setting(
+        "iteration", "scheduling", "Iteration-level (continuous) or request-level (static) batching.",
+        choices=BATCHING_MODES,
+    )
+    track_kv_waste: bool = setting(
+        False, "memory and KV cache", "Account every KV slot each step as token / reserved / fragmented / free."
+    )
+    enable_chunked_prefill: bool = setting(
+        True, "scheduling",
+        "Share each step's token budget between decodes and prompt chunks (off: a step is all prefill or all "
+        "decode, as in the paper).",
+    )
+    long_prefill_token_threshold: int = setting(
+        0, "scheduling",
+        "With chunked prefill: the most prompt tokens one request computes in a step (0: no limit but the budget).",
+    )
+    long_prompt_chunk_tokens: int = setting(
+        256, "scheduling",
+        "With chunked prefill: the most tokens per step of a prompt longer than the step budget (prompts within "
+        "the budget run whole; 0: no limit but the budget).",
+    )
+    max_prefill_tokens_while_decoding: int = setting(
+        0, "scheduling",
+        "With chunked prefill: the most prompt tokens in all of a step that also decodes, which bounds how long a "
+        "prompt holds up running streams (0: no limit but the budget).",
+    )
+    tensor_parallel_size: int = setting(
+        1, "parallelism and device",
+        "Split the model over this many ranks, Megatron-style (worker processes, or torchrun's).",
+        aliases=("-tp",),
+    )
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = setting(
+        None, "speculative decoding",
+        "Speculative decoding in vLLM's JSON form, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}', method \"suffix\", or "
+        "'{\"method\": \"draft_model\", \"model\": PATH_OR_ID}' (a smaller model with the same tokenizer); greedy "
+        "output stays the same, sampling the same distribution (default: off).",
+        metavar="JSON",
+    )
+    distributed_executor_backend: str | None = setting(
+        None, "parallelism and device",
+        "Where tensor-parallel ranks 1..N-1 run: mp (child processes of this one, or torchrun's) or ray (Ray "
+        "actors placed by a placement group, on this node or others; needs pagedllm[ray]) (default: mp; ray for "
+        "data-parallel replicas).",
+        choices=EXECUTOR_BACKENDS,
+    )
+    placement_group_strategy: str = setting(
+        "STRICT_PACK", "parallelism and device",
+        "With the ray backend: how Ray places a tensor-parallel group's ranks: STRICT_PACK (one node), PACK, "
+        "SPREAD, or STRICT_SPREAD (one rank per node).",
+        choices=PLACEMENT_STRATEGIES,
+    )
+    # Embeddings (pooler_config.py, vLLM's names).
+    runner: str = setting(
+        "auto", "model and loading",
+        "generate, pooling (embeddings: LLM.embed, /v1/embeddings), or auto (pooling for a local "
+        "sentence-transformers folder, else generate).",
+        choices=RUNNERS,
+    )
+    convert: str = setting(
+        "auto", "model and loading",
+        "auto, none or embed: embed pools a generation model's final hidden states (implies --runner pooling).",
+        choices=CONVERTS,
+    )
+    task: str | None = setting(
+        None, "model and loading",
+        "vLLM's older name for the runner: embed = --runner pooling, generate = --runner generate.",
+        choices=TASKS,
+    )
+    pooler_config: PoolerConfig | dict[str, Any] | str | None = setting(
+        None, "model and loading",
+        "Embeddings: '{\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", \"normalize\": true}' (default: the "
+        "checkpoint's sentence-transformers setting, else LAST, normalized).",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
+        self.runner, self.convert = check_runner_settings(self.runner, self.convert, self.task)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.swap_space = parse_bytes(self.swap_space) or 0
         canonical_kv_cache_dtype(self.kv_cache_dtype)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)} or None, "
+                             f"got {backend!r}.")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_group_strategy must be one of {list(PLACEMENT_STRATEGIES)}, "
+                             f"got {self.placement_group_strategy!r}.")

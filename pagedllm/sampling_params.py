@@ -57,6 +57,14 @@ class StructuredOutputsParams:
     JSON object), ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF in the GBNF
     dialect of llama.cpp / xgrammar). ``disable_any_whitespace`` makes JSON output compact.
     Whether the schema, regex or grammar compiles is checked when the request is added.
+
+    ``start_after_token_ids`` (a reasoning model's end-of-reasoning tokens, set by the chat server's
+    reasoning parser): the constraint applies only once the output has generated this token
+    sequence; the text before it, and the sequence itself, are free (vLLM's structured outputs
+    after ``is_reasoning_end``). None: the constraint applies from the first token.
+    ``optional_open_token_id`` makes that free part optional (a model that may open ``<think>`` or
+    answer at once): an output that begins with this token waits for ``start_after_token_ids``;
+    any other output is constrained from its first token.
     """
 
     json: str | dict | None = None
@@ -65,6 +73,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    start_after_token_ids: list[int] | None = None
+    optional_open_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -85,6 +95,17 @@ class StructuredOutputsParams:
         _check(self.json_object in (None, True, False), "structured_outputs.json_object must be true or false.")
         _check(isinstance(self.disable_any_whitespace, bool),
                "structured_outputs.disable_any_whitespace must be true or false.")
+        start = self.start_after_token_ids
+        _check(start is None or (isinstance(start, (list, tuple)) and len(start) > 0 and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in start)),
+            f"structured_outputs.start_after_token_ids must be a non-empty list of token ids, got {_short(start)}.")
+        if start is not None:
+            self.start_after_token_ids = list(start)
+        opening = self.optional_open_token_id
+        _check(opening is None or (isinstance(opening, int) and not isinstance(opening, bool) and opening >= 0),
+               f"structured_outputs.optional_open_token_id must be a token id, got {_short(opening)}.")
+        _check(opening is None or start is not None,
+               "structured_outputs.optional_open_token_id needs start_after_token_ids.")
 
     @property
     def kind(self) -> str:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -172,8 +173,17 @@ class SequenceGroup:
         arrival_time: float | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
+        pooling_type: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request (an embedding): its prompt is computed, its final hidden states pooled
+        # ("LAST", "MEAN" or "CLS": pooling_type) and it finishes; it never samples, so its
+        # sampling_params only make it a single-sequence request for the code that reads them.
+        self.pooling_params = pooling_params
+        self.pooling_type = pooling_type
+        # The pooler's running state across prompt chunks (worker/pooler.py), kept by the engine.
+        self.pooled_state: Any = None
         # Lower is served first (vLLM's priority scheduling); equal priorities are first come first served.
         self.priority = priority
         self.seqs = seqs
@@ -222,6 +232,18 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    def reads_every_prompt_position(self) -> bool:
+        """Whether every prompt position's output is needed (prompt logprobs; mean or CLS pooling), so
+        no prompt block may come from the prefix cache. LAST pooling needs the last token only, which
+        is always computed, so it shares cached prefixes as generation does."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return True
+        return self.is_pooling and self.pooling_type != "LAST"
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id}, seqs={self.seqs})"

@@ -149,3 +149,17 @@ def client(server):
 @pytest.fixture(scope="module")
 def http(server):
     return server.http
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of two simulated nodes of one CPU each (Ray's own test tool), per module."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedllm[ray]')")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20})
+    cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

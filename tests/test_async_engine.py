@@ -225,6 +225,25 @@ def test_step_exception_fails_requests_in_flight_and_marks_unhealthy() -> None:
     run(main())
 
 
+def test_engine_failing_between_add_and_read_fails_the_read() -> None:
+    """A request added just before the engine fails gets EngineDeadError on its first read, not a KeyError."""
+    fake = FakeEngine()
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(fake)
+        engine.start()
+        fake.fail_on_step = True
+        await engine.add_request("r", "hi", SamplingParams(max_tokens=5))
+        while engine.is_healthy:
+            await asyncio.sleep(0.005)
+        with pytest.raises(EngineDeadError, match="boom in step"):
+            async for _ in engine.stream_outputs("r"):
+                pass
+        await engine.shutdown()
+
+    run(main())
+
+
 def test_shutdown_fails_requests_in_flight() -> None:
     fake = FakeEngine()
 

@@ -5,6 +5,8 @@
    allocator has, the charts keep updating, hovering a cell names the block.
 2. Against ``pagedllm dashboard --simulate`` with 16,384 blocks: the page keeps up; the time to
    draw one update (block map + charts + table) is printed.
+3. Against two replicas (block managers standing in, tests/test_dashboard_replicas.py): the
+   replica selector switches the map between all replicas and one, and shows a dead one as dead.
 
 Screenshots go to the test's tmp dir (printed), or to $PAGEDLLM_DASHBOARD_ARTIFACTS when set.
 Skipped, saying why, where Chromium, chromedriver or Selenium is missing
@@ -29,6 +31,7 @@ if not CHROMIUM or not os.path.exists(CHROMEDRIVER):
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (requirements-test.txt)")
 
 from test_dashboard import API_KEY, gated_server_running, run_sharing_workload  # noqa: E402
+from test_dashboard_replicas import PoolsAsReplicas, forked_replica, prefix_replica, replicas_app  # noqa: E402
 from test_server import ServerThread  # noqa: E402
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -190,4 +193,58 @@ def test_ten_thousand_blocks_keep_the_page_fast(browser, tmp_path):
         shot = artifact_dir(tmp_path) / "dashboard-simulated-16k.png"
         browser.save_screenshot(str(shot))
         print(f"dashboard screenshot: {shot}")
+        browser.get("about:blank")
+
+
+def test_replica_selector_switches_the_view_and_shows_a_dead_replica(browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    replicas = PoolsAsReplicas([forked_replica(), prefix_replica()])
+    with ServerThread(replicas_app(replicas)) as server:
+        browser.get(f"{server.url}/dashboard")
+        # The default view: both pools side by side (16 blocks each), 3 + 4 blocks used.
+        wait_js(browser, "window.dashboard.snapshot && window.dashboard.snapshot.view === 'all' "
+                         "&& window.dashboard.counts.total === 32 && window.dashboard.updates >= 1",
+                what="the all-replicas view")
+        assert (dom_count(browser, "used"), dom_count(browser, "shared")) == (7, 5)
+        select = Select(browser.find_element("id", "replica-select"))
+        assert [o.text for o in select.options] == ["all (2 of 2 live)", "replica 0 (live)", "replica 1 (live)"]
+        tags = browser.execute_script("return [...document.querySelectorAll('#requests .replica-tag')]"
+                                      ".map((el) => el.textContent);")
+        assert tags == ["r0", "r1", "r1", "r1"]
+        # Hovering replica 1's first block (block 16 of the map): named as replica 1's block 0.
+        tip = browser.execute_script(
+            "const id = 16, c = document.getElementById('gpu-map'), r = c.getBoundingClientRect();"
+            "const l = window.dashboard.layout, scale = r.width / c.width;"
+            "const x = r.left + ((id % l.cols) + 0.5) * l.cell * scale;"
+            "const y = r.top + (Math.floor(id / l.cols) + 0.5) * l.cell * scale;"
+            "c.dispatchEvent(new MouseEvent('mousemove', {clientX: x, clientY: y, bubbles: true}));"
+            "return document.getElementById('tooltip').textContent;")
+        assert tip.startswith("replica 1: device block #0: shared") and "ref count 2" in tip, tip
+        browser.save_screenshot(str(artifact_dir(tmp_path) / "dashboard-replicas-all.png"))
+
+        select.select_by_value("1")
+        wait_js(browser, "window.dashboard.snapshot.view === '1' && window.dashboard.counts.total === 16 "
+                         "&& window.dashboard.updates >= 1", what="replica 1's view")
+        assert (dom_count(browser, "used"), dom_count(browser, "shared")) == (4, 2)
+        assert "replica=1" in browser.current_url  # a reload keeps the view
+        assert browser.find_element("id", "status").text == "live"
+
+        replicas.live[1] = False  # replica 1 dies: its view says so, the page stays up
+        wait_js(browser, "window.dashboard.down", what="replica 1 shown as down")
+        assert browser.find_element("id", "replica-down").is_displayed()
+        assert "Replica 1 is down" in browser.find_element("id", "replica-down").text
+        assert not browser.find_element("id", "gpu-map").is_displayed()
+        assert [o.text for o in select.options][1:] == ["replica 0 (live)", "replica 1 (dead)"]
+        assert browser.find_element("id", "status").text == "live"
+        shot = artifact_dir(tmp_path) / "dashboard-replica-down.png"
+        browser.save_screenshot(str(shot))
+        print(f"\ndashboard screenshot: {shot}")
+
+        select.select_by_value("all")  # the live replica alone
+        wait_js(browser, "window.dashboard.snapshot.view === 'all' && !window.dashboard.down "
+                         "&& window.dashboard.counts.total === 16", what="the all view without replica 1")
+        assert dom_count(browser, "used") == 3
+        replicas.live[1] = True  # back after its restart
+        wait_js(browser, "window.dashboard.counts.total === 32", what="replica 1 back in the all view")
         browser.get("about:blank")

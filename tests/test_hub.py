@@ -105,6 +105,15 @@ def test_safetensors_repo_never_fetches_bin_or_extras() -> None:
     ])
 
 
+def test_sentence_transformers_repo_fetches_its_pooling_settings() -> None:
+    """The embedding runner reads modules.json and the Pooling module's config to choose its pooling."""
+    listing = ["config.json", "tokenizer.json", "model.safetensors", "modules.json", "1_Pooling/config.json",
+               "config_sentence_transformers.json", "README.md", "2_Dense/model.safetensors"]
+    assert choose_files("org/x", listing) == [
+        "1_Pooling/config.json", "config.json", "model.safetensors", "modules.json", "tokenizer.json",
+    ]
+
+
 def test_bin_only_repo_fetches_bin() -> None:
     listing = ["config.json", "tokenizer.model", "pytorch_model.bin", "tf_model.h5"]
     assert choose_files("org/x", listing) == ["config.json", "pytorch_model.bin", "tokenizer.model"]

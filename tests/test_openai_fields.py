@@ -51,7 +51,7 @@ CHAT_FIELDS = [
     ("max_tokens", 3, 200), ("metadata", {"k": "v"}, 400), ("modalities", ["text"], 200),
     ("modalities", ["text", "audio"], 400), ("n", 2, 200), ("parallel_tool_calls", False, 200),
     ("prediction", {"type": "content", "content": "x"}, 400), ("presence_penalty", 0.5, 200),
-    ("prompt_cache_key", "k", 200), ("reasoning_effort", "low", 400),
+    ("prompt_cache_key", "k", 200), ("reasoning_effort", "low", 200), ("reasoning_effort", "extreme", 400),
     ("response_format", {"type": "json_object"}, 200), ("safety_identifier", "s-1", 200), ("seed", 7, 200),
     ("service_tier", "auto", 200), ("service_tier", "flex", 400), ("stop", "x", 200), ("store", False, 200),
     ("store", True, 400), ("stream", False, 200), ("stream_options", {"include_usage": True}, 400),

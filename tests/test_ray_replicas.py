@@ -33,19 +33,6 @@ def _engine_args(model_dir: str) -> EngineArgs:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedllm[ray]')")
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20})
-    cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
@@ -113,11 +100,21 @@ def test_health_counts_live_replicas(server):
     assert response.json() == {"status": "ok", "live_replicas": 2, "replicas": 2}
 
 
-def test_dashboard_draws_a_live_replica(server):
+def test_dashboard_views_every_replica_and_each(server):
     _, http = server
-    state = http.get("/dashboard/state").json()
-    assert state["replica"] in (0, 1) and state["kv_cache"]["dtype"]
-    assert "counters" in state
+    assert http.get("/dashboard/replicas").json() == {
+        "views": ["all", "0", "1"], "default": "all",
+        "replicas": [{"replica": 0, "live": True}, {"replica": 1, "live": True}]}
+    for replica in (0, 1):  # each snapshot taken in that replica's actor
+        state = http.get("/dashboard/state", params={"replica": str(replica)}).json()
+        assert (state["view"], state["replica"]) == (str(replica), replica)
+        assert state["blocks"]["total"] == 128 and state["kv_cache"]["dtype"] and "counters" in state
+    merged = http.get("/dashboard/state").json()  # the default: both pools side by side
+    assert merged["view"] == "all" and [s["replica"] for s in merged["segments"]] == [0, 1]
+    assert merged["blocks"]["total"] == 256 and len(merged["map"]["state"]) == 256
+    assert merged["kv_cache"]["pool_bytes"] == 2 * state["kv_cache"]["pool_bytes"]
+    response = http.get("/dashboard/state", params={"replica": "2"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "replica"
 
 
 def test_greedy_output_equals_single_engine_server(server, model_dir):
@@ -218,6 +215,63 @@ def test_engine_failure_in_a_replica_runs_its_request_elsewhere(server, monkeypa
     assert _complete(http, "after the engine failure", max_tokens=4).status_code == 200
 
 
+def _requests_in_flight(replicated) -> list:
+    """The front end's requests in flight, read from another thread (its loop may change the dict meanwhile)."""
+    while True:
+        try:
+            return list(replicated._requests.values())
+        except RuntimeError:
+            continue
+
+
+def test_replica_death_mid_answer_reruns_a_non_streamed_request(server, monkeypatch):
+    import ray
+
+    running, http = server
+    replicated = running.app.state.async_engine
+    max_tokens = 400
+    plain_prompt, streamed_prompt = "a plain answer that outlives its replica", "a streamed answer that does not"
+    expected = _complete(http, plain_prompt, max_tokens).json()["choices"][0]["text"]
+    retries = replicated.num_retries
+    choose = replicated.router.choose
+    monkeypatch.setattr(replicated.router, "choose", lambda token_ids, loads: 0 if 0 in loads else choose(token_ids,
+                                                                                                            loads))
+    results: dict = {}
+    streamed_started = threading.Event()
+
+    def plain() -> None:
+        response = _complete(http, plain_prompt, max_tokens)
+        results["plain"] = (response.status_code, response.json())
+
+    def streamed() -> None:
+        results["streamed"] = _stream(http, streamed_prompt, max_tokens, on_chunk=streamed_started.set)
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for thread in threads:
+        thread.start()
+    # Both run on replica 0 and both have produced tokens: the streamed one sent some to its client,
+    # the plain one's outputs reached the server's handler (which answers only at the end).
+    assert streamed_started.wait(30)
+    deadline = time.time() + 30
+    while not any(r.buffered and r.delivered and r.replica == 0 for r in _requests_in_flight(replicated)):
+        assert time.time() < deadline and "plain" not in results, "the plain request produced no output on replica 0"
+        time.sleep(0.005)
+    ray.kill(replicated.actors[0], no_restart=False)
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a request hung after its replica died"
+    status, body = results["plain"]
+    # Run again, whole, on replica 1: the same greedy answer as if nothing had happened.
+    assert status == 200 and body["choices"][0]["text"] == expected, body
+    assert body["usage"]["completion_tokens"] == max_tokens
+    stream = results["streamed"]  # its client had tokens already: an error event, then [DONE]
+    assert stream["chunks"] >= 1 and stream["done"] and stream["error"]["code"] == "replica_failed", stream
+    assert replicated.num_retries == retries + 1
+    assert _metric(http, "replica_request_retries_total") == {"": float(replicated.num_retries)}
+    monkeypatch.undo()
+    _wait_for_live_replicas(http, 2)
+
+
 def test_killing_a_replica_loses_no_request_and_it_comes_back(server):
     import ray
 
@@ -280,8 +334,6 @@ def test_flags_without_ray_name_the_extra(monkeypatch):
 def test_flags_refuse_what_is_not_there():
     with pytest.raises(DataParallelUnavailableError, match="not available"):
         DataParallelConfig(data_parallel_size=2, distributed_executor_backend="mp").check()
-    with pytest.raises(DataParallelUnavailableError, match="tensor parallelism"):
-        DataParallelConfig(distributed_executor_backend="ray").check(tensor_parallel_size=2)
     with pytest.raises(DataParallelUnavailableError, match="--ray-address"):
         DataParallelConfig(ray_address="auto").check()
 

@@ -141,8 +141,9 @@ class BlockSpaceManager:
             num_blocks = _cdiv(seq_len, bs)
             seq_entries: list[PhysicalBlock | int] = []
             prev_key: tuple | None = None
-            # prompt_logprobs need the logits of every prompt position: computed, never read from the cache.
-            if self.enable_prefix_caching and seq_group.sampling_params.prompt_logprobs is None:
+            # prompt_logprobs (and mean or CLS pooling) need every prompt position: computed, never read
+            # from the cache.
+            if self.enable_prefix_caching and not seq_group.reads_every_prompt_position():
                 hashes = self._block_hashes(seq)
                 # At least the last token is always computed: its logits are needed to sample.
                 max_hits = (seq_len - 1) // bs

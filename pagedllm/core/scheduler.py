@@ -34,6 +34,10 @@ After the forward pass, ``postprocess`` does the bookkeeping for every caller (t
 simulator, the tests' fake engines): advance computed tokens, offer computed blocks to the
 prefix cache, fork parallel samples when a prompt's last chunk is done, append the sampled
 tokens (through a TokenSink), free finished sequences.
+
+A pooling request (an embedding) is a prompt and nothing more: it is admitted, chunked and preempted
+as any prompt, samples no row, never speculates, and finishes (its blocks freed) in the step that
+computes its prompt's last token.
 """
 
 from __future__ import annotations
@@ -109,8 +113,8 @@ def num_samples(group: SequenceGroup, seq: Sequence, num_tokens: int) -> int:
     """Sampler rows ``seq`` produces when it computes ``num_tokens`` more tokens this step: none
     while its prompt is unfinished, best_of on the prompt's last chunk of a sampled request (the
     extra samples become forks sharing its blocks), one otherwise."""
-    if seq.num_computed_tokens + num_tokens < seq.get_len():
-        return 0
+    if seq.num_computed_tokens + num_tokens < seq.get_len() or group.is_pooling:
+        return 0  # a pooling request's hidden states are pooled, never sampled
     if seq.spec_token_ids:  # a row per draft position and one after the last draft
         return len(seq.spec_token_ids) + 1
     params = group.sampling_params
@@ -318,7 +322,7 @@ class Scheduler:
             if not _is_decoding(group) or not self._decode_fits(group, outputs):
                 running.append(group)  # a prompt chunk below, or a decode next step
                 continue
-            if speculate:
+            if speculate and not group.is_pooling:
                 self._propose_drafts(group, outputs)
                 if not self.block_manager.can_append_slots(group):
                     self._drop_drafts(group)  # drafts never cost a preemption: without them the decode may fit
@@ -615,6 +619,8 @@ class Scheduler:
             self.block_manager.mark_computed(seq)
             if num_rows:
                 sampled.append((seq, num_rows, seq_row))
+        if group.is_pooling:
+            return self._finish_pooled(group, running, tokens)
         if not sampled:
             return verified  # otherwise a prompt chunk that did not reach the end of the prompt
         if group.sampling_params.use_beam_search:
@@ -634,6 +640,17 @@ class Scheduler:
                 if target.is_finished():
                     self.block_manager.free(target)
         return True
+
+    def _finish_pooled(self, group: SequenceGroup, running: list[Sequence], tokens: list[int]) -> bool:
+        """A pooling request ends with its prompt: its blocks go back at once (full ones stay in the
+        prefix cache, computed, for later requests). Returns whether it finished this step."""
+        finished = False
+        for seq, num_tokens in zip(running, tokens):
+            if num_tokens and seq.num_computed_tokens >= seq.get_len():
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.block_manager.free(seq)
+                finished = True
+        return finished
 
     def _verify_drafts(self, group: SequenceGroup, seq: Sequence, row: int, sink: TokenSink) -> None:
         """Keep the drafts the target agrees with, and the target's own token after them.

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from pagedllm.config import EXECUTOR_BACKENDS, setting
+
 ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")
-EXECUTOR_BACKENDS = ("mp", "ray")
 RAY_EXTRA_HINT = "pip install 'pagedllm[ray]' (Ray 2.60.0)"
 
 
@@ -21,12 +22,36 @@ class DataParallelUnavailableError(ValueError):
 
 @dataclass(slots=True)
 class DataParallelConfig:
-    """vLLM's flag names: --data-parallel-size, --distributed-executor-backend, plus --ray-address, --router."""
+    """vLLM's flag names: --data-parallel-size, --distributed-executor-backend, plus --ray-address, --router.
 
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ray_address: str | None = None
-    router: str = "prefix"
+    A field declared with setting() is a `pagedllm serve` flag (serve_cli.py); the others are set in code.
+    """
+
+    data_parallel_size: int = setting(
+        1, "data-parallel replicas on Ray (see the README)",
+        "Run this many whole engine replicas (each its own KV pool) as Ray actors behind this server (default "
+        "1: one engine in this process). Needs pagedllm[ray].",
+        aliases=("-dp",), positive=True,
+    )
+    # serve's --distributed-executor-backend stands in for EngineArgs' field of the same name: its value
+    # reaches both.
+    distributed_executor_backend: str | None = setting(
+        None, "data-parallel replicas on Ray (see the README)",
+        "ray: run the engine replicas as Ray actors (implied by --data-parallel-size > 1, even with one replica), "
+        "each replica's tensor-parallel ranks as Ray actors in a placement group (--placement-group-strategy); "
+        "mp: tensor parallelism's worker processes on this machine, one engine in this process.",
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = setting(
+        None, "data-parallel replicas on Ray (see the README)",
+        "The Ray cluster to join (e.g. auto, or HOST:6379); default: RAY_ADDRESS, or a Ray started on this machine.",
+    )
+    router: str = setting(
+        "prefix", "data-parallel replicas on Ray (see the README)",
+        "Which replica serves a request: prefix (the replica that cached the prompt's leading blocks, unless it is "
+        "overloaded), round_robin or least_loaded (pagedllm/core/router.py).",
+        choices=ROUTER_POLICIES,
+    )
     # Ray restarts a replica whose actor dies this many times (-1: without limit).
     max_restarts: int = -1
     # Seconds between health probes of each replica, and how long one probe may take.
@@ -38,7 +63,7 @@ class DataParallelConfig:
         """True when the server runs engine replicas on Ray instead of one engine in its own process."""
         return self.data_parallel_size > 1 or self.distributed_executor_backend == "ray"
 
-    def check(self, tensor_parallel_size: int = 1) -> None:
+    def check(self) -> None:
         """Refuse settings that cannot work, with what to change; Ray's absence included."""
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise DataParallelUnavailableError(
@@ -62,11 +87,6 @@ class DataParallelConfig:
             raise DataParallelUnavailableError(
                 "--data-parallel-size > 1 is not available with --distributed-executor-backend mp: data-parallel "
                 "replicas run on Ray (--distributed-executor-backend ray)."
-            )
-        if tensor_parallel_size > 1:
-            raise DataParallelUnavailableError(
-                "--tensor-parallel-size > 1 is not available with Ray replicas yet (tensor parallelism placed by "
-                "Ray across nodes is not there); use one or the other."
             )
         if not ray_installed():
             raise DataParallelUnavailableError(

@@ -6,10 +6,13 @@ step rank 0 broadcasts the control message (see messages.py), then every rank ru
 pass on its shard of the heads and of the MLP, writing its own KV heads into the same physical
 block ids; rank 0 gathers the logits and samples.
 
-Two ways to get the ranks:
-- on one machine (the default), rank 0 starts ranks 1..N-1 with torch.multiprocessing (spawn);
+Three ways to get the ranks:
+- on one machine (the default, backend "mp"), rank 0 starts ranks 1..N-1 with
+  torch.multiprocessing (spawn);
 - under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set), every process
-  runs the same command; rank 0 becomes the engine, the others serve steps and exit when it stops.
+  runs the same command; rank 0 becomes the engine, the others serve steps and exit when it stops;
+- on Ray (backend "ray"), ranks 1..N-1 are actors placed by a placement group, on this node or
+  others (ray_ranks.py).
 
 Failure: a worker that raises publishes its error in the rendezvous store and exits; a worker
 that dies breaks the gloo connection, so rank 0's next collective fails at once (or after the
@@ -232,6 +235,23 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+class SpawnedRanks:
+    """Ranks 1..N-1 as child processes of this one (or none: torchrun started them); the executor's rank source."""
+
+    def __init__(self, processes: dict[int, Any]) -> None:
+        self.processes = processes
+
+    def dead_rank(self) -> tuple[int, str] | None:
+        """A rank whose process ended, and how; None while all run."""
+        for rank, proc in self.processes.items():
+            if not proc.is_alive():
+                return rank, f"(pid {proc.pid}) is dead ({_describe_exit(proc.exitcode)})"
+        return None
+
+    def shutdown(self, grace_s: float) -> None:
+        _shutdown_processes(self.processes, grace_s)
+
+
 class MultiprocExecutor:
     """Rank 0 of a tensor-parallel group; presents the single Worker's interface to the engine."""
 
@@ -245,11 +265,16 @@ class MultiprocExecutor:
         seed: int = 0,
         num_threads: int | None = None,
         world_size: int = 2,
+        backend: str = "mp",
+        placement_strategy: str = "STRICT_PACK",
     ) -> None:
         if world_size < 2:
             raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {world_size}.")
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
         check_tensor_parallel_config(model_config, world_size)
-        if device.type == "cuda" and (device.index or 0) + world_size > torch.cuda.device_count():
+        on_this_machine = backend == "mp" and torchrun_env() is None
+        if on_this_machine and device.type == "cuda" and (device.index or 0) + world_size > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size={world_size} needs {world_size} GPUs from {device}, "
                 f"torch sees {torch.cuda.device_count()}."
@@ -262,7 +287,9 @@ class MultiprocExecutor:
             timeout_s,
         )
         self.world_size = world_size
+        self.backend = backend
         self.processes: dict[int, Any] = {}
+        self.ranks: Any = SpawnedRanks(self.processes)
         self.error: TensorParallelError | None = None
         self._closed = False
         self._store: dist.Store | None = None
@@ -284,6 +311,14 @@ class MultiprocExecutor:
                 run_worker(rank, world_size, addr, port, spec, device, None)
                 raise SystemExit(0)
             init_method = "env://"
+        elif backend == "ray":
+            from pagedllm.distributed.ray_ranks import RayRanks, node_address
+
+            addr, port = node_address(), _free_port()
+            init_method = f"tcp://{addr}:{port}"
+            # Each rank has its bundle's cores.
+            spec.num_threads = num_threads or 1
+            self.ranks = RayRanks(world_size, addr, port, spec, placement_strategy, timeout_s)
         else:
             addr, port = "127.0.0.1", _free_port()
             init_method = f"tcp://{addr}:{port}"
@@ -300,7 +335,7 @@ class MultiprocExecutor:
                 proc.start()
                 self.processes[rank] = proc
         # Tear the group down however the engine goes away (garbage, interpreter exit).
-        self._finalizer = weakref.finalize(self, _shutdown_processes, dict(self.processes))
+        self._finalizer = weakref.finalize(self, self.ranks.shutdown, 5.0)
         atexit.register(self.shutdown)
         try:
             self.state = init_tensor_parallel(0, world_size, init_method, device, timeout_s)
@@ -338,12 +373,10 @@ class MultiprocExecutor:
         return output
 
     def _check_workers(self) -> None:
-        for rank, proc in self.processes.items():
-            if not proc.is_alive():
-                raise TensorParallelError(
-                    f"Tensor-parallel worker rank {rank} (pid {proc.pid}) is dead ({_describe_exit(proc.exitcode)}).",
-                    rank,
-                )
+        dead = self.ranks.dead_rank()
+        if dead is not None:
+            rank, how = dead
+            raise TensorParallelError(f"Tensor-parallel worker rank {rank} {how}.", rank)
 
     def _diagnose(self, exc: BaseException, when: str) -> TensorParallelError:
         """Name the rank behind a failed collective: a reported error, a dead process, or a silent heartbeat."""
@@ -353,13 +386,10 @@ class MultiprocExecutor:
             if error is not None:
                 rank, text = error
                 return TensorParallelError(f"Tensor-parallel worker rank {rank} failed during {when}: {text}", rank)
-            for rank, proc in self.processes.items():
-                if proc.exitcode is not None:
-                    return TensorParallelError(
-                        f"Tensor-parallel worker rank {rank} (pid {proc.pid}) died during {when} "
-                        f"({_describe_exit(proc.exitcode)}).",
-                        rank,
-                    )
+            dead = self.ranks.dead_rank()
+            if dead is not None:
+                rank, how = dead
+                return TensorParallelError(f"Tensor-parallel worker rank {rank} {how}, during {when}.", rank)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -426,7 +456,7 @@ class MultiprocExecutor:
             except Exception:  # noqa: BLE001 - a dead peer: terminate below
                 pass
         # After a failure the workers are dead or stuck in a broken collective: do not wait long.
-        _shutdown_processes(self.processes, grace_s=5.0 if self.error is None else 0.5)
+        self.ranks.shutdown(5.0 if self.error is None else 0.5)
         self._store = None
         destroy_tensor_parallel()
         self._finalizer.detach()

@@ -3,8 +3,8 @@
 Workers only compute (they never sample), so the message carries what the forward pass needs and
 no more: per sequence the tokens computed this step (their count is the chunk length: one for a
 decode, a prompt chunk's length otherwise), the start position, the change to its block table
-since the last step and how many logit rows to produce (none for a chunk mid-prompt); plus the
-block moves. Prompts,
+since the last step, how many logit rows to produce (none for a chunk mid-prompt) and, for a
+pooling request, its pooling type; plus the block moves. Prompts,
 outputs, sampling settings and random generators stay on rank 0. It is pickled and broadcast
 over the gloo control group: one collective of a fixed-size frame when it fits, a second one for
 the rest when it does not.
@@ -60,7 +60,7 @@ class StepEncoder:
             tables[seq.seq_id] = table
             num_samples = seq.num_samples if seq.sampling_row is not None else 0
             seqs.append((seq.seq_id, seq.token_ids, seq.start_pos, keep, table[keep:], num_samples,
-                         seq.prompt_logprobs, seq.next_prompt_token, seq.draft_token_ids))
+                         seq.prompt_logprobs, seq.next_prompt_token, seq.draft_token_ids, seq.pooling_type))
         self.sent_tables = tables
         payload = (seqs, step.blocks_to_swap_in, step.blocks_to_swap_out, step.blocks_to_copy)
         return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
@@ -80,7 +80,7 @@ class StepDecoder:
         previous, tables = self.tables, {}
         seqs = []
         for (seq_id, token_ids, start_pos, keep, appended, num_samples, prompt_logprobs, next_prompt_token,
-             draft_token_ids) in wire_seqs:
+             draft_token_ids, pooling_type) in wire_seqs:
             table = previous[seq_id][:keep] + appended if keep else appended
             tables[seq_id] = table
             seqs.append(
@@ -94,6 +94,9 @@ class StepDecoder:
                     prompt_logprobs=prompt_logprobs,  # the ranks compute those logits together
                     next_prompt_token=next_prompt_token,
                     draft_token_ids=draft_token_ids,  # the ranks compute the drafts' logits together
+                    # Rank 0 pools (the hidden states are whole on every rank); a rank sees which rows
+                    # are pooling rows, which produce no logits.
+                    pooling_type=pooling_type,
                 )
             )
         self.tables = tables

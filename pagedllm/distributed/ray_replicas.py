@@ -75,7 +75,17 @@ class EngineReplica:
             "kv_cache_info": dict(engine.kv_cache_info),
             "max_seq_len": engine.max_seq_len,
             "pid": os.getpid(),
+            "tensor_parallel_placement": self._placement(),
         }
+
+    def _placement(self) -> dict[int, dict[str, Any]]:
+        """Each tensor-parallel rank's node id and pid (rank 0: this actor)."""
+        ranks = getattr(self.async_engine.engine.worker, "ranks", None)
+        if hasattr(ranks, "placement"):
+            return ranks.placement()
+        import ray
+
+        return {0: {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}}
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float, priority: int
@@ -102,12 +112,6 @@ class EngineReplica:
             yield ReplicaEvent("aborted", str(exc))
         except EngineDeadError as exc:
             yield ReplicaEvent("engine_dead", str(exc))
-        except KeyError:
-            # The engine failed between the add and the first read, and dropped the request's stream.
-            if not engine.is_healthy:
-                yield ReplicaEvent("engine_dead", f"The engine failed: {engine.dead_error}")
-            else:
-                yield ReplicaEvent("failed", f"Request {request_id} vanished from replica {self.replica_id}.")
 
     async def abort(self, request_id: str) -> None:
         self.async_engine.abort(request_id)
@@ -125,18 +129,25 @@ class EngineReplica:
         return await EngineSource(self.async_engine).capture()
 
 
-def launch_replicas(engine_args: EngineArgs, num_replicas: int, max_restarts: int, num_gpus: float = 0.0) -> list[Any]:
+def launch_replicas(
+    engine_args: EngineArgs, num_replicas: int, max_restarts: int, num_gpus: float = 0.0,
+    placement_groups: list[Any] | None = None,
+) -> list[Any]:
     """Start ``num_replicas`` EngineReplica actors (Ray must be initialized); returns their handles.
 
     Each asks Ray for ``engine_args.num_threads`` CPUs, so Ray places replicas where cores are free
-    (one per node of one core), and torch in the actor uses exactly those threads.
+    (one per node of one core), and torch in the actor uses exactly those threads. With tensor
+    parallelism each replica runs in bundle 0 of its own placement group, whose other bundles its
+    engine's ranks take (ray_ranks.py); Ray restarts a replica in the same bundle.
     """
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from pagedllm.distributed.ray_ranks import forwarded_env
 
     num_cpus = engine_args.num_threads or 1
     actor_class = ray.remote(EngineReplica)
-    # Environment the engine reads (kernel levels, hub caches, offline mode) travels to every node.
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDLLM_", "HF_", "TRANSFORMERS_"))}
+    env_vars = forwarded_env()
     options: dict[str, Any] = dict(
         num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, max_task_retries=0,
         # Requests and probes run concurrently on the actor's event loop.
@@ -144,7 +155,12 @@ def launch_replicas(engine_args: EngineArgs, num_replicas: int, max_restarts: in
     )
     if env_vars:
         options["runtime_env"] = {"env_vars": env_vars}
-    return [
-        actor_class.options(**options).remote(engine_args, replica_id)
-        for replica_id in range(num_replicas)
-    ]
+    actors = []
+    for replica_id in range(num_replicas):
+        if placement_groups is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_groups[replica_id], placement_group_bundle_index=0,
+                placement_group_capture_child_tasks=False,
+            )
+        actors.append(actor_class.options(**options).remote(engine_args, replica_id))
+    return actors

@@ -11,8 +11,10 @@ Failure. Every read of a stream races the request's ``interrupt`` future, which 
 its replica is declared down (by a probe, or by another request's stream seeing the actor die)
 and when the request is aborted: no consumer waits on a dead replica. A replica that is down
 leaves routing at once (router.remove_replica); its requests that have sent nothing to their
-client yet run again on another live replica, the others end with ReplicaFailedError (an error
-event in a stream, a 503 otherwise). Ray restarts a dead actor (max_restarts); the health probes
+client yet run again from the start on another live replica (each replica once at most): a
+streamed request before its first output, a non-streamed one (``buffer_outputs``: the consumer
+answers only at the end) at any point. The others end with ReplicaFailedError (an error event in
+the stream). Ray restarts a dead actor (max_restarts); the health probes
 (replica_health.py) put it back into routing when its new engine answers.
 """
 
@@ -36,7 +38,7 @@ from pagedllm.distributed.replica_errors import (
     event_error,
 )
 from pagedllm.distributed.replica_health import ReplicaHealth
-from pagedllm.distributed.replica_launch import EngineShell, start_replicas
+from pagedllm.distributed.replica_launch import EngineShell, release_replicas, start_replicas
 from pagedllm.engine.async_engine import (
     EngineDeadError,
     OutputObserver,
@@ -67,7 +69,10 @@ class _Request:
     generator: Any = None
     # Resolved with the exception to raise when the request's replica goes down or it is aborted.
     interrupt: asyncio.Future | None = None
-    delivered: bool = False  # an output reached the consumer: running it again would repeat tokens
+    delivered: bool = False  # an output reached the consumer
+    # The consumer keeps the outputs until the end (a non-streamed response): the client has seen
+    # nothing, so the request may run again from the start however far it had got.
+    buffered: bool = False
     tried: set[int] = field(default_factory=set)
 
 
@@ -92,6 +97,8 @@ class ReplicatedEngine:
         self.output_observer = output_observer
         self.on_dead = on_dead
         self.owns_ray = owns_ray
+        # The replicas' tensor-parallel placement groups, freed at shutdown.
+        self.placement_groups: list[Any] = []
         self.health = ReplicaHealth(actors, config.health_interval_s, config.health_timeout_s,
                                     on_down=self._replica_down, on_up=self._replica_up, on_all_dead=self._die)
         self._requests: dict[str, _Request] = {}
@@ -109,13 +116,15 @@ class ReplicatedEngine:
         router: Any = None,
     ) -> ReplicatedEngine:
         """Connect to (or start) Ray, start the replicas and wait for their engines (replica_launch.py)."""
-        config.check(engine_args.tensor_parallel_size)
+        config.check()
         if router is None:
             from pagedllm.core.router import make_router
 
             router = make_router(config.router, engine_args.block_size)
-        shell, actors, owns_ray = start_replicas(engine_args, config)
-        return cls(shell, actors, router, config, output_observer, on_dead, owns_ray)
+        shell, actors, groups, owns_ray = start_replicas(engine_args, config)
+        engine = cls(shell, actors, router, config, output_observer, on_dead, owns_ray)
+        engine.placement_groups = groups
+        return engine
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,11 +173,7 @@ class ReplicatedEngine:
         await self.health.stop()
         for request in list(self._requests.values()):
             self.abort(request.request_id)
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - best effort while stopping
-                logger.exception("could not stop a replica")
+        release_replicas(self.actors, self.placement_groups)
         if self.owns_ray:
             ray.shutdown()
 
@@ -329,7 +334,7 @@ class ReplicatedEngine:
                         raise event_error(item)
                 except _ReplicaGone as exc:
                     self._replica_down(request.replica, str(exc))
-                    if request.delivered:
+                    if request.delivered and not request.buffered:  # a rerun would repeat what the client has
                         done = True
                         raise ReplicaFailedError(
                             f"The engine replica serving this request failed after it had started answering "
@@ -383,10 +388,25 @@ class ReplicatedEngine:
             except Exception:  # noqa: BLE001 - the replica may be gone; its engine forgot the request then
                 logger.debug("abort of %s on replica %d failed", request.request_id, request.replica)
 
+    def buffer_outputs(self, request_ids: Collection[str]) -> None:
+        """Say that the consumer hands these requests' outputs to its client only when they finish.
+
+        A replica failure may then rerun them from the start on another replica at any point, not
+        only before their first output (same parameters, so a seeded or greedy answer is the same).
+        """
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.buffered = True
+
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None
+        self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None,
+        buffered: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
+        """add_request + stream_outputs; ``buffered``: the caller keeps only the final output (buffer_outputs)."""
         await self.add_request(request_id, prompt, params, arrival_time)
+        if buffered:
+            self.buffer_outputs([request_id])
         async for output in self.stream_outputs(request_id):
             yield output
 
@@ -428,11 +448,43 @@ class ReplicatedEngine:
             "request_retries": self.num_retries,
         }
 
-    async def capture_replica_snapshot(self) -> dict[str, Any]:
-        """The dashboard's snapshot of the first live replica."""
-        self.check_alive()
-        replica = self.live_replicas()[0]
-        snapshot = await _await_ref(self.actors[replica].snapshot.remote())
+    # ------------------------------------------------------------------ the dashboard's view of the replicas
+
+    @property
+    def has_stopped(self) -> bool:
+        """True once the server stops or every replica failed for good (not while replicas restart)."""
+        return self._stopping or self.dead_error is not None
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Every replica and whether it serves now: [{"replica": 0, "live": True}, ...]."""
+        return [{"replica": replica, "live": self.health.is_live(replica)} for replica in range(self.num_replicas)]
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica running a request in flight (None once it is gone)."""
+        request = self._requests.get(request_id)
+        return request.replica if request is not None and request.replica >= 0 else None
+
+    async def capture_replica_snapshot(self, replica: int, timeout_s: float = 5.0) -> dict[str, Any]:
+        """One replica's pool and queues (core/snapshot.py), taken in its actor between two of its steps.
+
+        ReplicaUnavailableError while the replica is down, or when it does not answer in time.
+        """
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"No replica {replica}: there are {self.num_replicas} (0 to {self.num_replicas - 1}).")
+        if not self.health.is_live(replica):
+            raise ReplicaUnavailableError(f"Replica {replica} is down; Ray is restarting it.")
+        try:
+            snapshot = await asyncio.wait_for(_await_ref(self.actors[replica].snapshot.remote()), timeout=timeout_s)
+        except TimeoutError:
+            raise ReplicaUnavailableError(f"Replica {replica} did not answer within {timeout_s:g} s.") from None
+        except EngineDeadError as exc:
+            raise ReplicaUnavailableError(f"Replica {replica}'s engine has failed: {exc}") from None
+        except Exception as exc:
+            import ray
+
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise ReplicaUnavailableError(f"Replica {replica}'s actor died: {type(exc).__name__}") from None
+            raise
         snapshot["replica"] = replica
         return snapshot
 

@@ -32,8 +32,11 @@ class EngineShell:
     max_seq_len: int
 
 
-def start_replicas(engine_args: EngineArgs, config: DataParallelConfig) -> tuple[EngineShell, list[Any], bool]:
-    """(the front end's EngineShell, the replicas' actor handles, whether Ray was started here)."""
+def start_replicas(
+    engine_args: EngineArgs, config: DataParallelConfig
+) -> tuple[EngineShell, list[Any], list[Any], bool]:
+    """(the front end's EngineShell, the replicas' actor handles, their placement groups (tensor
+    parallelism only), whether Ray was started here)."""
     import ray
 
     from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
@@ -55,26 +58,72 @@ def start_replicas(engine_args: EngineArgs, config: DataParallelConfig) -> tuple
             raise DataParallelUnavailableError(
                 f"Cannot join the Ray cluster at {config.ray_address or 'RAY_ADDRESS / a new local one'}: {exc}"
             ) from exc
-    # One CPU (and torch thread) per replica unless --num-threads says otherwise: Ray then places
-    # replicas by free cores.
-    replica_args = dataclasses.replace(engine_args, num_threads=engine_args.num_threads or 1)
-    num_gpus = 1.0 if resolve_device(engine_args.device).type == "cuda" else 0.0
-    actors = launch_replicas(replica_args, config.data_parallel_size, config.max_restarts, num_gpus)
+    # One CPU (and torch thread) per replica and rank unless --num-threads says otherwise: Ray then
+    # places replicas by free cores. A replica's tensor-parallel ranks are Ray actors too.
+    replica_args = dataclasses.replace(
+        engine_args, num_threads=engine_args.num_threads or 1, distributed_executor_backend="ray"
+    )
+    use_gpu = resolve_device(engine_args.device).type == "cuda"
+    groups: list[Any] = []
+    actors: list[Any] = []
     try:
+        if engine_args.tensor_parallel_size > 1:
+            groups = replica_placement_groups(replica_args, config.data_parallel_size, use_gpu)
+        actors = launch_replicas(replica_args, config.data_parallel_size, config.max_restarts,
+                                 1.0 if use_gpu else 0.0, groups or None)
         described = ray.get([actor.describe.remote() for actor in actors])
     except Exception:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        release_replicas(actors, groups)
         if owns_ray:
             ray.shutdown()
         raise
     first = described[0]
     logger.info("%d engine replica(s) on Ray (pids %s), router %s", len(actors), [d["pid"] for d in described],
                 config.router)
+    if engine_args.tensor_parallel_size > 1:
+        logger.info("tensor-parallel ranks by replica (%s): %s", engine_args.placement_group_strategy,
+                    [{rank: where["node_id"][:8] for rank, where in d["tensor_parallel_placement"].items()}
+                     for d in described])
     shell = EngineShell(
         model_config=model_config, scheduler_config=first["scheduler_config"], cache_config=first["cache_config"],
         tokenizer=tokenizer,
         structured_outputs=StructuredOutputManager(tokenizer, model_config.hf_config.vocab_size),
         kv_cache_info=first["kv_cache_info"], max_seq_len=min(d["max_seq_len"] for d in described),
     )
-    return shell, actors, owns_ray
+    return shell, actors, groups, owns_ray
+
+
+def replica_placement_groups(replica_args: EngineArgs, num_replicas: int, use_gpu: bool) -> list[Any]:
+    """One placement group per replica: bundle 0 for the replica (rank 0), one more per other rank."""
+    from pagedllm.distributed.executor import collective_timeout_s
+    from pagedllm.distributed.ray_ranks import make_placement_group, rank_bundle
+
+    groups: list[Any] = []
+    try:
+        for replica_id in range(num_replicas):
+            bundles = [rank_bundle(replica_args.num_threads or 1, use_gpu)] * replica_args.tensor_parallel_size
+            groups.append(make_placement_group(
+                bundles, replica_args.placement_group_strategy, collective_timeout_s(),
+                f"replica {replica_id}'s {replica_args.tensor_parallel_size} tensor-parallel ranks",
+            ))
+    except Exception:
+        release_replicas([], groups)
+        raise
+    return groups
+
+
+def release_replicas(actors: list[Any], groups: list[Any]) -> None:
+    """Kill the replicas' actors (their ranks die with them) and free their placement groups."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - the cluster may be gone already
+            pass

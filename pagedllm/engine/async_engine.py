@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagedllm.pooling_outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
 
@@ -216,11 +218,14 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it."""
+        """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it.
+
+        ``params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then yields
+        one PoolingRequestOutput, when the prompt is done)."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -249,6 +254,11 @@ class AsyncLLMEngine:
         """
         stream = self._streams.get(request_id)
         if stream is None:
+            if self.dead_error is not None:  # the engine failed between add_request and this read
+                raise EngineDeadError(
+                    f"The engine failed while running this request: {type(self.dead_error).__name__}: "
+                    f"{self.dead_error}"
+                )
             raise KeyError(f"No request {request_id!r} in flight.")
         done = False
         try:
@@ -274,6 +284,14 @@ class AsyncLLMEngine:
         await self.add_request(request_id, prompt, params, arrival_time)
         async for output in self.stream_outputs(request_id):
             yield output
+
+    async def encode(
+        self, prompt: Any, params: PoolingParams, request_id: str, arrival_time: float | None = None
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request (vLLM's name): one PoolingRequestOutput, its ``outputs.data`` the embedding."""
+        await self.add_request(request_id, prompt, params, arrival_time)
+        async for output in self.stream_outputs(request_id):
+            yield output  # type: ignore[misc]
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next iteration of the loop (frees its blocks); safe to call twice."""
@@ -340,7 +358,8 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # its consumer left; the abort is queued
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            # A pooling request's output (an embedding) carries no generated tokens.
+            num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
             new_tokens = max(num_tokens - stream.timing.num_generated_tokens, 0)
             if self.output_observer is not None:
                 try:

@@ -26,6 +26,9 @@ from pagedllm.engine.stop_checker import check_stop
 from pagedllm.kernels.report import kernel_summary
 from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
 from pagedllm.models.parallel_layers import local_num_kv_heads
+from pagedllm.pooler_config import PoolerConfig, resolve_runner
+from pagedllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling import SamplingRow
 from pagedllm.sampling.sampler import rewind_generator
 from pagedllm.sampling_params import SamplingParams
@@ -42,6 +45,7 @@ from pagedllm.step_timing import StepTimer
 from pagedllm.structured import StructuredOutputManager
 from pagedllm.worker.cache_engine import pool_block_bytes
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
+from pagedllm.worker.pooler import accumulate, finish
 from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -62,8 +66,20 @@ class LLMEngine:
         num_threads: int | None = None,
         tensor_parallel_size: int = 1,
         draft_model_config: ModelConfig | None = None,
+        distributed_executor_backend: str | None = None,
+        placement_group_strategy: str = "STRICT_PACK",
+        runner: str = "generate",
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        # "generate" serves SamplingParams requests, "pooling" PoolingParams ones (embeddings): vLLM's runners.
+        if runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {runner!r}.")
+        if runner == "pooling" and scheduler_config.speculative_config is not None:
+            raise ValueError("speculative decoding is for generation; the pooling runner computes prompts only.")
+        self.runner_type = runner
+        self.supported_tasks: tuple[str, ...] = ("embed",) if runner == "pooling" else ("generate",)
+        self.pooler_config = (pooler_config or PoolerConfig()).resolved(None)
         self.draft_model_config = draft_model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -82,7 +98,10 @@ class LLMEngine:
             # Same interface as Worker; rank 0 (here) broadcasts each step to ranks 1..N-1.
             from pagedllm.distributed.executor import MultiprocExecutor
 
-            worker_class, worker_kwargs = MultiprocExecutor, {"world_size": tensor_parallel_size}
+            worker_class, worker_kwargs = MultiprocExecutor, {
+                "world_size": tensor_parallel_size, "backend": distributed_executor_backend or "mp",
+                "placement_strategy": placement_group_strategy,
+            }
         self.worker = worker_class(
             model_config,
             cache_config,
@@ -187,9 +206,16 @@ class LLMEngine:
             max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
             speculative_config=speculative_config,
         )
+        runner = resolve_runner(args.runner, model_config.model)
         return cls(
             model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
             tensor_parallel_size=args.tensor_parallel_size, draft_model_config=draft_model_config,
+            distributed_executor_backend=args.distributed_executor_backend,
+            placement_group_strategy=args.placement_group_strategy,
+            runner=runner,
+            # The checkpoint's own pooling settings are read only when it pools.
+            pooler_config=(args.pooler_config or PoolerConfig()).resolved(model_config.model if runner == "pooling"
+                                                                          else None),
         )
 
     # ------------------------------------------------------------------ requests
@@ -201,7 +227,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -216,13 +242,20 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> SequenceGroup:
         """Everything add_request checks, without queueing (so a batch can be checked first)."""
         if request_id in self._groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if isinstance(params, PoolingParams):
+            return self._make_pooling_group(request_id, prompt, params, arrival_time, priority)
+        if self.runner_type == "pooling":
+            raise InvalidRequestError(
+                "This engine runs the pooling runner and serves embeddings only (LLM.embed, /v1/embeddings); "
+                "start it with runner='generate' to generate text."
+            )
         text, token_ids = parse_prompt(prompt, self.tokenizer, self.vocab_size)
         check_request(
             token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
@@ -234,6 +267,38 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs.new_matcher(params.structured_outputs)
         return SequenceGroup(request_id, [seq], params, arrival_time, prompt=text, priority=priority)
+
+    def _make_pooling_group(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float | None, priority: int
+    ) -> SequenceGroup:
+        if self.runner_type != "pooling":
+            raise InvalidRequestError(
+                "Embeddings are not served by this engine: it runs the generate runner. Start it with "
+                "runner='pooling' (--runner pooling, or vLLM's older --task embed) to pool the model's hidden states."
+            )
+        text, token_ids = parse_prompt(prompt, self.tokenizer, self.vocab_size)
+        max_model_len = self.model_config.max_model_len
+        if len(token_ids) > max_model_len:
+            raise InvalidRequestError(
+                f"The input is {len(token_ids)} tokens long, longer than the model's context of {max_model_len} "
+                "tokens (max_model_len); shorten it.", "input"
+            )
+        pool_tokens = self.pool_blocks * self.cache_config.block_size
+        if len(token_ids) > pool_tokens:
+            raise InvalidRequestError(
+                f"The input needs {len(token_ids)} KV slots but the whole KV pool holds {pool_tokens} tokens; "
+                "raise kv_cache_memory / num_kv_blocks or shorten it.", "input"
+            )
+        try:
+            params.verify(self.model_config.hf_config, str(self.model_config.model))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "dimensions") from None
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
+        seq = Sequence(self.scheduler.next_seq_id(), token_ids, self.cache_config.block_size)
+        # One sequence, no sampling: the scheduler reads these settings as a single-sequence request's.
+        return SequenceGroup(request_id, [seq], SamplingParams(max_tokens=1), arrival_time, prompt=text,
+                             priority=priority, pooling_params=params, pooling_type=self.pooler_config.pooling_type)
 
     def enqueue(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:
@@ -262,8 +327,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of every request that got tokens or ended in it.
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one iteration; return the outputs of every request that got tokens or ended in it
+        (a pooling request's one output, its embedding, when its prompt is done).
 
         An exception in the work of one request (building its sampling row, sampling it, beam
         scoring, detokenizing, stop checks, building its output) finishes that request alone with
@@ -273,7 +339,7 @@ class LLMEngine:
         timer = self.step_timer
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
         with timer.phase("prepare_inputs"):
             step_input = self._build_step_input(sched, outputs)
         if self._runner_timed:  # the worker and runner time their own phases
@@ -285,6 +351,7 @@ class LLMEngine:
         with timer.phase("process_outputs"):
             self._add_prompt_logprobs(sched, getattr(sampler_output, "prompt_logprobs", None))
             self._take_model_drafts(sched, getattr(sampler_output, "model_draft_token_ids", None))
+            self._take_pooled(sched, getattr(sampler_output, "pooled", None))
             sink = _SamplerTokens(self, sampler_output)
             result = self.scheduler.postprocess(sched, sink)
             now = time.time()
@@ -357,6 +424,7 @@ class LLMEngine:
                             draft_token_ids=list(drafts) if not model_drafts else [],
                             num_model_drafts=model_drafts,
                             previous_token_id=previous,
+                            pooling_type=group.pooling_type,
                         )
                     )
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
@@ -413,6 +481,16 @@ class LLMEngine:
                 if seq.seq_id in computed:
                     # The first token has no logprob: nothing predicts it.
                     group.prompt_logprobs = (group.prompt_logprobs or [None]) + computed[seq.seq_id]
+
+    @staticmethod
+    def _take_pooled(sched: SchedulerOutputs, pooled: dict[int, Any] | None) -> None:
+        """Fold this step's pooled chunks into their requests' pooling state."""
+        if not pooled:
+            return
+        for group in sched.scheduled_seq_groups:
+            for seq in group.seqs:
+                if seq.seq_id in pooled:
+                    group.pooled_state = accumulate(group.pooled_state, pooled[seq.seq_id], group.pooling_type)
 
     @staticmethod
     def _take_model_drafts(sched: SchedulerOutputs, drafts: dict[int, list[int]] | None) -> None:
@@ -490,7 +568,9 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         self._generators.pop(group.request_id, None)
 
-    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+    def _make_output(self, group: SequenceGroup) -> RequestOutput | PoolingRequestOutput:
+        if group.is_pooling:
+            return self._make_pooling_output(group)
         params = group.sampling_params
         seqs = group.get_seqs()
         if params.use_beam_search:
@@ -521,6 +601,24 @@ class LLMEngine:
             failed=group.failed,
             num_cached_tokens=group.num_cached_tokens or 0,
             prompt_logprobs=group.prompt_logprobs,
+        )
+
+    def _make_pooling_output(self, group: SequenceGroup) -> PoolingRequestOutput:
+        finished = group.is_finished()
+        data = None
+        if finished and group.error is None:
+            data = finish(group.pooled_state, group.pooling_type, group.pooling_params, self.pooler_config.normalize)
+            group.pooled_state = None
+        return PoolingRequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=None if data is None else PoolingOutput(data),
+            finished=finished,
+            metrics=group.metrics,
+            error=group.error,
+            failed=group.failed,
+            num_cached_tokens=group.num_cached_tokens or 0,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -1,129 +1,187 @@
-"""Every engine setting as a command-line flag, shared by `generate`, `chat` and `serve`.
+"""Every engine setting as a command-line flag, made from EngineArgs' fields, shared by `generate`, `chat`
+and `serve`.
 
-Importing this module stays cheap (no torch) so `pagedllm --help` is quick.
+A field's name becomes ``--kebab-case``; its type chooses the parsing (bool: ``--x`` / ``--no-x``; int, float,
+str; Literal: its values as choices; list: one or more values); ``setting()``'s metadata adds the help, the
+group, choices, aliases and byte sizes. The server's settings (ServerSettings, DataParallelConfig) are declared
+the same way: `serve` makes their flags with ``declared_settings`` and ``add_field_flag``. Importing this module
+stays cheap (no torch) so `pagedllm --help` is quick.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable
 from typing import Any
 
 # pagedllm.config imports no torch (the package imports it first anyway), so --help stays quick.
-from pagedllm.config import KV_CACHE_DTYPES as _KV_CACHE_DTYPES
+from pagedllm.config import ENGINE_ARG_GROUPS, EngineArgs, parse_bytes
+from pagedllm.config import KV_CACHE_DTYPES as _KV_CACHE_DTYPES  # noqa: F401  (tests compare it with config's)
+
+HUB_FIELDS = ("revision", "download_dir", "gguf_file")
+_OTHER_GROUP = ENGINE_ARG_GROUPS[-1]
+
+
+def flag_name(field_name: str) -> str:
+    """The option string of an EngineArgs field: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def engine_arg_fields() -> dict[str, dataclasses.Field]:
+    return {spec.name: spec for spec in dataclasses.fields(EngineArgs)}
+
+
+def field_default(spec: dataclasses.Field) -> Any:
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return None
 
 
 def add_hub_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
     """How a hub id is fetched (also `pagedllm download`'s flags)."""
-    group.add_argument("--revision", default=None, help="Hub id: branch, tag or commit (default: main).")
-    group.add_argument("--download-dir", default=None,
-                       help="Hub id: the hub cache folder to download to and load from (default: HF_HOME's).")
-    group.add_argument("--gguf-file", default=None,
-                       help="GGUF repo (or folder): the .gguf file to load, when it holds several (or ID:QUANT).")
+    specs = engine_arg_fields()
+    for name in HUB_FIELDS:
+        add_field_flag(group, specs[name])
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
-    """Flags named as vLLM's; the defaults are EngineArgs' defaults."""
-    group = parser.add_argument_group("engine")
-    if model_flag:
-        group.add_argument("--model", default=None,
-                           help="HF folder, GGUF file or hub id ORG/NAME[:QUANT] (default: embedded SmolLM2-135M).")
-    add_hub_args(group)
-    group.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id if not the model's own.")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--quantization", "-q", default=None,
-                       choices=["int8", "int4", "int4-g32", "int4-g64", "int4-g128", "awq", "gptq", "gguf",
-                                "dequantize"],
-                       help="Weight-only quantization of a float checkpoint at load time (int4: groups of 128 "
-                            "unless -gNN). AWQ / GPTQ checkpoints and GGUF files keep their own packed types "
-                            "without it ('awq' / 'gptq' only confirm it); 'dequantize' loads a GGUF as float32 "
-                            "instead.")
-    group.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                       help="Quantized weights: multiply with activations quantized to int8 (integer dot "
-                            "products; default: wherever the CPU has them). --no-int8-activations keeps "
-                            "float activations (exactly the dequantized model's results).")
-    group.add_argument("--block-size", type=int, default=16, help="Token slots per KV block.")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="Bytes for the KV pool, e.g. 2GiB or 512MiB (default: a share of free memory).")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=list(_KV_CACHE_DTYPES),
-                       help="KV cache storage: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8 or int4, "
-                       "each with scales per token and KV head (int4: per 32 values); 8 bits hold ~1.94x the "
-                       "tokens of bfloat16 in the same memory, int4 ~3.2x.")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
-    group.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 4GiB.")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="Token budget of one step (default: 512 with chunked prefill, "
-                       "else max(max_model_len, 8192)).")
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                       help="Share each step's token budget between decodes and prompt chunks (off: a step is all "
-                       "prefill or all decode, as in the paper).")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="With chunked prefill: the most prompt tokens one request computes in a step "
-                       "(0: no limit but the step budget).")
-    group.add_argument("--long-prompt-chunk-tokens", type=int, default=256,
-                       help="With chunked prefill: the most tokens per step of a prompt longer than the step budget "
-                       "(prompts within the budget run whole; 0: no limit but the budget).")
-    group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=0,
-                       help="With chunked prefill: the most prompt tokens in all of a step that also decodes, which "
-                       "bounds how long a prompt holds up running streams (0: no limit but the budget).")
-    group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help="Speculative decoding in vLLM's JSON form, e.g. "
-                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}', method "
-                       "\"suffix\", or '{\"method\": \"draft_model\", \"model\": PATH_OR_ID}' (a smaller model with "
-                       "the same tokenizer); greedy output stays the same, sampling the same distribution.")
-    group.add_argument("--max-model-len", type=int, default=None, help="Context length (default: the model's).")
-    group.add_argument("--seed", type=int, default=0, help="Seed of the engine's random generator.")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="Share KV blocks of common prompt prefixes.")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="Same as --no-enable-prefix-caching.")
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
-                       help="How preempted sequences come back.")
-    group.add_argument("--kv-allocation", default="paged",
-                       choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"],
-                       help="Paged blocks (ours) or one of the paper's contiguous reservation baselines.")
-    group.add_argument("--batching", default="iteration", choices=["iteration", "request"],
-                       help="Iteration-level (continuous) or request-level (static) batching.")
-    group.add_argument("--track-kv-waste", action="store_true", help="Account KV memory waste every step.")
-    group.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch.")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="Split the model over this many ranks (worker processes, or torchrun's).")
+    """One flag per EngineArgs field, in --help groups; the defaults are the fields' defaults.
+
+    A flag the command already defines with the field's name as its dest (serve's ``--model``) is
+    left to the command: its value still reaches the field through engine_args_from_cli.
+    """
+    by_group: dict[str, list[dataclasses.Field]] = {title: [] for title in ENGINE_ARG_GROUPS}
+    for spec in dataclasses.fields(EngineArgs):
+        if spec.name == "model" and not model_flag:
+            continue
+        existing = parser._option_string_actions.get(flag_name(spec.name))
+        if existing is not None and existing.dest == spec.name:
+            continue
+        by_group[spec.metadata.get("group", _OTHER_GROUP)].append(spec)
+    for title, specs in by_group.items():
+        if specs:
+            group = parser.add_argument_group(title)
+            for spec in specs:
+                add_field_flag(group, spec)
 
 
-def engine_args_from_cli(args: argparse.Namespace) -> Any:
+def add_field_flag(container: argparse._ActionsContainer, spec: dataclasses.Field, type_hint: Any = None) -> None:
+    """The flag of one field (plus its aliases) on a parser or group; ``type_hint``: the field's type,
+    by default its EngineArgs annotation."""
+    meta = spec.metadata
+    default = field_default(spec)
+    value_type, _ = _unwrap_optional(_type_hints()[spec.name] if type_hint is None else type_hint)
+    kwargs: dict[str, Any] = {"dest": spec.name, "default": default}
+    if meta.get("byte_size"):
+        kwargs.update(type=_byte_size, metavar="BYTES")
+    elif value_type is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(value_type) is typing.Literal:
+        values = list(typing.get_args(value_type))
+        kwargs["choices"] = values
+        if not isinstance(values[0], str):
+            kwargs["type"] = type(values[0])
+    elif typing.get_origin(value_type) in (list, tuple):
+        item_types = [t for t in typing.get_args(value_type) if t is not Ellipsis]
+        kwargs.update(nargs="+", type=item_types[0] if item_types and item_types[0] in (int, float) else str)
+    elif value_type in (int, float):
+        kwargs["type"] = _positive(value_type) if meta.get("positive") else value_type
+    # Anything else (str, or a union such as speculative_config's JSON text) goes to the field as
+    # text, and the field reads it.
+    if meta.get("positive") and value_type not in (int, float):
+        raise TypeError(f"setting {spec.name!r}: positive=True needs an int or float field, not {value_type!r}.")
+    if meta.get("parse") is not None:
+        kwargs["type"] = meta["parse"]
+    choices = meta.get("choices")
+    if choices is not None:
+        kwargs["choices"] = list(choices() if callable(choices) else choices)
+    if meta.get("metavar"):
+        kwargs["metavar"] = meta["metavar"]
+    kwargs["help"] = _help_text(spec, kwargs.get("action") is argparse.BooleanOptionalAction)
+    container.add_argument(flag_name(spec.name), *meta.get("aliases", ()), **kwargs)
+    for negative in meta.get("negative_aliases", ()):
+        container.add_argument(
+            negative, dest=spec.name, action="store_false", help=f"Same as --no-{flag_name(spec.name)[2:]}."
+        )
+
+
+def declared_settings(settings_class: type) -> list[tuple[dataclasses.Field, Any]]:
+    """The fields of a settings dataclass declared with setting() (those that have a flag), each with its type."""
+    hints = typing.get_type_hints(settings_class)
+    return [(spec, hints[spec.name]) for spec in dataclasses.fields(settings_class) if "group" in spec.metadata]
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags (a positional MODEL, where the command has one, wins)."""
-    from pagedllm.config import EngineArgs, parse_bytes
+    values = {name: getattr(args, name) for name in engine_arg_fields() if hasattr(args, name)}
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag:
+        values["model"] = model_tag
+    return EngineArgs(**values)
 
-    return EngineArgs(
-        model=getattr(args, "model_tag", None) or args.model,
-        tokenizer=args.tokenizer,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        gguf_file=args.gguf_file,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        int8_activations=args.int8_activations,
-        block_size=args.block_size,
-        kv_cache_memory=parse_bytes(args.kv_cache_memory),
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_dtype=args.kv_cache_dtype,
-        swap_space=parse_bytes(args.swap_space) or 0,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        device=args.device,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        long_prompt_chunk_tokens=args.long_prompt_chunk_tokens,
-        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
-        speculative_config=args.speculative_config,
-        preemption_mode=args.preemption_mode,
-        kv_allocation=args.kv_allocation,
-        batching=args.batching,
-        track_kv_waste=args.track_kv_waste,
-        num_threads=args.num_threads,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(EngineArgs)
+    except NameError:
+        # A field annotated with a name config.py imports only for type checkers: that field's flag
+        # takes text (the field reads it), every other field keeps its type.
+        import pagedllm.config as config_module
+
+        hints = {}
+        for spec in dataclasses.fields(EngineArgs):
+            try:
+                hints[spec.name] = eval(spec.type, vars(config_module)) if isinstance(spec.type, str) else spec.type
+            except NameError:
+                hints[spec.name] = str
+        return hints
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """(X, True) for ``X | None``; a union of several types other than None stays as it is."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [t for t in typing.get_args(hint) if t is not type(None)]
+        if len(members) == 1:
+            return members[0], True
+    return hint, False
+
+
+def _help_text(spec: dataclasses.Field, boolean: bool) -> str:
+    text = spec.metadata.get("help")
+    if text is None:
+        text = f"EngineArgs.{spec.name} (pagedllm/config.py)."
+    text = text.replace("%", "%%")  # argparse formats help with %
+    # BooleanOptionalAction appends the default itself.
+    if not boolean and "default" not in text:
+        text += " (default: %(default)s)"
+    return text
+
+
+@functools.cache
+def _positive(value_type: type) -> Callable[[str], int | float]:
+    """A flag type that takes only an int >= 1, or a finite float > 0."""
+
+    def parse_positive(text: str) -> int | float:
+        value = value_type(text)  # a ValueError reads "invalid int value" / "invalid float value"
+        if value_type is int and value < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        if value_type is float and (not value > 0 or value == float("inf")):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+        return value
+
+    parse_positive.__name__ = value_type.__name__
+    return parse_positive
+
+
+def _byte_size(text: str) -> int | None:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -8,10 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.config import EngineArgs, check_setting_names
 from pagedllm.engine.inputs import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import render_chat
+from pagedllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
 
@@ -28,77 +30,15 @@ class LLM:
     tensor_parallel_size: split the model over this many processes (ranks); they start here, or
     come from torchrun (see pagedllm.distributed). Stop them with ``llm.llm_engine.shutdown()``
     (they also stop when this process exits).
+
+    Every keyword is a field of EngineArgs (pagedllm/config.py, with its help and default; the same
+    settings as the command line's flags); an unknown one is a TypeError naming the closest.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        revision: str | None = None,
-        download_dir: str | None = None,
-        gguf_file: str | None = None,
-        dtype: str = "auto",
-        quantization: str | None = None,
-        int8_activations: bool | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | str | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        swap_space: int | str = 0,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        num_threads: int | None = None,
-        tensor_parallel_size: int = 1,
-        kv_allocation: str = "paged",
-        batching: str = "iteration",
-        track_kv_waste: bool = False,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        long_prompt_chunk_tokens: int = 256,
-        max_prefill_tokens_while_decoding: int = 0,
-        speculative_config: dict[str, Any] | str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs:
-            raise TypeError(f"Unknown LLM settings: {', '.join(sorted(kwargs))}.")
-        args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            revision=revision,
-            download_dir=download_dir,
-            gguf_file=gguf_file,
-            dtype=dtype,
-            quantization=quantization,
-            int8_activations=int8_activations,
-            block_size=block_size,
-            kv_cache_memory=parse_bytes(kv_cache_memory),
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_dtype=kv_cache_dtype,
-            swap_space=parse_bytes(swap_space) or 0,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=seed,
-            device=device,
-            enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode,
-            num_threads=num_threads,
-            tensor_parallel_size=tensor_parallel_size,
-            kv_allocation=kv_allocation,
-            batching=batching,
-            track_kv_waste=track_kv_waste,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            long_prompt_chunk_tokens=long_prompt_chunk_tokens,
-            max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
-            speculative_config=speculative_config,
-        )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # Every keyword is an EngineArgs field, so a setting added there needs no edit here.
+        check_setting_names(kwargs, "LLM()")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -166,6 +106,46 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the prompts' order (an engine with runner="pooling" or task="embed").
+
+        The prompt's final hidden states, pooled as the engine's pooler_config says (LAST by default),
+        truncated to ``pooling_params.dimensions`` for a Matryoshka model, L2-normalized unless
+        ``pooling_params.normalize`` is False. Bad input raises before any work; a request the engine
+        refuses later raises a ValueError with its message.
+        """
+        return [EmbeddingRequestOutput.from_base(output) for output in self.encode(prompts, pooling_params, use_tqdm)]
+
+    def encode(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The engine's pooling outputs (``outputs.data``, a float32 tensor) per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompt_list)
+        elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == len(prompt_list):
+            params_list = list(pooling_params)
+        else:
+            raise ValueError(
+                f"pooling_params must be a PoolingParams or a list of one per prompt ({len(prompt_list)})."
+            )
+        engine = self.llm_engine
+        groups = [engine.make_seq_group(engine.next_request_id(), prompt, params)
+                  for prompt, params in zip(prompt_list, params_list)]
+        for group in groups:
+            engine.enqueue(group)
+        return self._run_engine([g.request_id for g in groups], use_tqdm)
+
     def render_chat(
         self, conversation: list[dict[str, str]], chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> tuple[str, list[int]]:
@@ -182,7 +162,8 @@ class LLM:
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        if isinstance(output, RequestOutput):  # a pooling request generates nothing
+                            generated += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"output {generated / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:

@@ -23,6 +23,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
 )
+# A sentence-transformers checkpoint's module list and pooling settings: the embedding runner reads them
+# (pooler_config.py) to choose pooling, and how, for runner="auto".
+_SENTENCE_TRANSFORMERS = re.compile(r"modules\.json|\d+_Pooling/config\.json")
 # llama.cpp's shard names; the GGUF loader reads one file.
 _GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
@@ -87,7 +90,8 @@ def choose_files(
     """The exact repo files the engine reads (``allow_patterns`` of snapshot_download), from a listing.
 
     A Hugging Face checkpoint: config, generation config, tokenizer files and top-level safetensors
-    (+ index); PyTorch ``*.bin`` only where there is no safetensors. A GGUF repo (or a quant / file
+    (+ index), a sentence-transformers module list and pooling config; PyTorch ``*.bin`` only where there
+    is no safetensors. A GGUF repo (or a quant / file
     asked for): the one .gguf file. ``tokenizer_only``: the tokenizer files and config.json.
     """
     top_level = [f for f in repo_files if "/" not in f]
@@ -98,6 +102,7 @@ def choose_files(
     # Some repos add a consolidated copy next to the sharded model-*.safetensors; the loader reads the latter.
     safetensors = [f for f in safetensors if f.startswith("model")] or safetensors
     has_config = "config.json" in top_level
+    hf_files += [f for f in repo_files if _SENTENCE_TRANSFORMERS.fullmatch(f)]
     if quant is None and gguf_file is None and has_config and safetensors:
         index = [f for f in top_level if f == "model.safetensors.index.json"]
         return sorted(hf_files + safetensors + index)

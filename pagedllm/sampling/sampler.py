@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,6 +82,8 @@ class SamplerOutput:
     generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
     # Speculative decoding with a draft model: the drafts it proposed this step, by seq id.
     model_draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Pooling requests: this step's chunk of each one's pooled hidden states, by seq id (worker/pooler.py).
+    pooled: dict[int, Any] = field(default_factory=dict)
 
 
 class Sampler:

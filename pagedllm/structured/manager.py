@@ -34,8 +34,16 @@ class StructuredOutputManager:
             return self._compiler
 
     def new_matcher(self, spec: StructuredOutputsParams) -> Any:
-        """A matcher at the grammar's start; raises InvalidRequestError when the constraint cannot compile."""
-        return self.compiler.matcher(spec)
+        """A matcher at the grammar's start; raises InvalidRequestError when the constraint cannot compile.
+
+        With ``spec.start_after_token_ids`` the matcher is gated: free until the output generated them
+        (or, with ``spec.optional_open_token_id``, unless the output does not begin with that token)."""
+        matcher = self.compiler.matcher(spec)
+        if spec.start_after_token_ids:
+            from pagedllm.structured.gated import GatedMatcher
+
+            return GatedMatcher(matcher, spec.start_after_token_ids, spec.optional_open_token_id)
+        return matcher
 
     def fill_bitmasks(
         self, matchers: list[Any], drafts: list[list[int]] | None = None

@@ -18,6 +18,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.sampling import Sampler, SamplerOutput, SamplingRow
 from pagedllm.sampling.prompt_logprobs import prompt_logprobs, prompt_row_chunks
 from pagedllm.step_timing import StepTimer
+from pagedllm.worker.pooler import PooledChunk, pool_chunks
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SeqStepInput:
     # draft of the previous step was accepted (the last draft was never fed to the draft model).
     num_model_drafts: int = 0
     previous_token_id: int | None = None
+    # A pooling request's chunk: "LAST", "MEAN" or "CLS"; its final hidden states are reduced
+    # (worker/pooler.py) instead of sampled. None: a generation sequence.
+    pooling_type: str | None = None
 
     def sampling_rows(self) -> list[SamplingRow]:
         """This sequence's sampler rows, in order."""
@@ -147,12 +151,26 @@ class ModelRunner:
             if not rows:  # prompt chunks only
                 output = SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
                 output.prompt_logprobs = prompt
+                output.pooled = self.pool(step, hidden)
                 return output
             logits = self.model.compute_logits(hidden.index_select(0, sample_indices))
         with timer.phase("sample"):
             output = self.sampler(logits, rows, generator)
         output.prompt_logprobs = prompt
+        output.pooled = self.pool(step, hidden)
         return output
+
+    @staticmethod
+    def pool(step: StepInput, hidden: torch.Tensor) -> dict[int, PooledChunk]:
+        """Each pooling sequence's chunk reduced (by seq_id); its K/V are in the cache like any prompt's."""
+        chunks, seq_ids = [], []
+        start = 0
+        for seq in step.seqs:
+            if seq.pooling_type is not None:
+                chunks.append((start, len(seq.token_ids), seq.start_pos, seq.pooling_type))
+                seq_ids.append(seq.seq_id)
+            start += len(seq.token_ids)
+        return dict(zip(seq_ids, pool_chunks(hidden, chunks)))
 
     @staticmethod
     def prompt_logprob_seqs(step: StepInput) -> list[tuple[SeqStepInput, int]]:

@@ -10,6 +10,7 @@ them later (on the event loop) cannot race with the next step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagedllm.core.snapshot import take_snapshot
@@ -50,22 +51,25 @@ class EngineSource:
         return await self.async_engine.run_in_engine_thread(self._capture)
 
 
-def observe_latencies(async_engine: AsyncLLMEngine, hub: DashboardHub) -> None:
-    """Chain the hub's TTFT / ITL recording after the engine's existing output observer.
+def observe_latencies(async_engine: Any, hubs_of: Callable[[RequestOutput], Iterable[DashboardHub]]) -> None:
+    """Chain TTFT / ITL recording into ``hubs_of(output)`` after the engine's existing output observer.
 
-    Same definitions as the Prometheus histograms (entrypoints/openai/metrics.py); the hub
-    drops the samples unless someone is watching.
+    Same definitions as the Prometheus histograms (entrypoints/openai/metrics.py); a hub drops
+    the samples unless someone is watching it.
     """
     previous = async_engine.output_observer
 
     def observe(output: RequestOutput, timing: RequestTiming, now: float, new_tokens: int) -> None:
         if previous is not None:
             previous(output, timing, now, new_tokens)
-        if not new_tokens or not hub.active:
+        if not new_tokens:
             return
-        if timing.first_token_time is None:
-            hub.record_ttft(now, max(now - timing.arrival_time, 0.0))
-        elif timing.last_token_time is not None:
-            hub.record_itl(now, max(now - timing.last_token_time, 0.0))
+        for hub in hubs_of(output):
+            if not hub.active:
+                continue
+            if timing.first_token_time is None:
+                hub.record_ttft(now, max(now - timing.arrival_time, 0.0))
+            elif timing.last_token_time is not None:
+                hub.record_itl(now, max(now - timing.last_token_time, 0.0))
 
     async_engine.output_observer = observe

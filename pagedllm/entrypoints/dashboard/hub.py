@@ -40,7 +40,8 @@ class DashboardSource(Protocol):
         """False once the source has stopped for good (shutdown, a dead engine)."""
 
     async def capture(self) -> dict[str, Any]:
-        """core.snapshot.take_snapshot(...) plus ``counters``, taken safely between steps."""
+        """core.snapshot.take_snapshot(...) plus ``counters``, taken safely between steps; or, for a
+        source that is down for now (a replica restarting), ``{"down": reason, ...}``."""
 
 
 # The engine's pool stats (LLMEngine.kv_cache_info) under the names of the snapshot's "kv_cache".
@@ -122,6 +123,9 @@ class DashboardHub:
         snapshot = await self.source.capture()
         self.num_snapshots += 1
         now = self.source.now()
+        if "down" in snapshot:  # a replica that is down (replica_source.py): nothing to draw or chart
+            snapshot["time"] = round(now, 3)
+            return snapshot
         rates = self.rates.update(now, {name: float(snapshot["counters"].get(name, 0))
                                         for name in ("prompt_tokens", "generation_tokens")})
         point = history_point(now, snapshot, rates, self.ttft.percentiles(now), self.itl.percentiles(now))
@@ -169,9 +173,11 @@ class DashboardHub:
                 logger.exception("dashboard snapshot failed")
                 await asyncio.sleep(1.0)
                 continue
-            self.history.append(state["point"])
+            if "point" in state:
+                self.history.append(state["point"])
             # Encode once for every viewer; a large pool's map is the bulk of it.
-            payload = await asyncio.to_thread(sse_event, "state", state) if len(state["map"]["state"]) > 20_000 \
+            num_blocks = len(state["map"]["state"]) if "map" in state else 0
+            payload = await asyncio.to_thread(sse_event, "state", state) if num_blocks > 20_000 \
                 else sse_event("state", state)
             for subscriber in list(self._subscribers):
                 subscriber.offer(payload)

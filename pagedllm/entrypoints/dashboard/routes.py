@@ -3,6 +3,10 @@
     GET /dashboard          the page (HTML, CSS and JS inlined: one self-contained document)
     GET /dashboard/state    one snapshot, JSON (see the README's "Dashboard" section)
     GET /dashboard/events   Server-Sent Events: ``history`` once, then ``state`` a few times a second
+    GET /dashboard/replicas the views and each replica's live state (data-parallel replicas; empty otherwise)
+
+With replicas, ``?replica=all`` (the default: every live replica together) or ``?replica=N`` on
+/state and /events picks the view; a name that is not a view is a 400.
 
 With ``--api-key`` these routes need the key like every other route. A browser cannot put a
 header on a page load or on an EventSource, so ``?key=KEY`` is accepted on /dashboard paths
@@ -20,11 +24,13 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
+from pagedllm.entrypoints.dashboard.views import DashboardViews, UnknownViewError
 from pagedllm.entrypoints.openai.guard import route_path
+from pagedllm.entrypoints.openai.serving_base import bad_request
 
 PREFIX = "/dashboard"
 
@@ -64,11 +70,21 @@ def render_page(config: dict[str, Any]) -> str:
     )
 
 
-def add_dashboard_routes(app: FastAPI, hub: DashboardHub, title: str) -> None:
-    """Register the dashboard on ``app`` (call after the app's GuardMiddleware is added)."""
+def add_dashboard_routes(app: FastAPI, views: DashboardHub | DashboardViews, title: str) -> None:
+    """Register the dashboard on ``app`` (call after the app's GuardMiddleware is added).
+
+    ``views``: one hub, or the views of replicas (``?replica=all|0|1...`` picks one on /state and /events).
+    """
+    if isinstance(views, DashboardHub):
+        views = DashboardViews.single(views)
     app.add_middleware(DashboardKeyMiddleware)
-    app.state.dashboard_hub = hub
-    page = render_page({"title": title, "interval_s": hub.interval_s})
+    app.state.dashboard_hub = views.default_hub
+    app.state.dashboard_views = views
+    page = render_page({"title": title, "interval_s": views.default_hub.interval_s,
+                        "replicas": views.replica_states is not None, "default_view": views.default})
+
+    def no_such_view(exc: UnknownViewError) -> JSONResponse:
+        return bad_request(str(exc), "replica").response()
 
     @app.get(PREFIX, include_in_schema=False)
     async def dashboard_page() -> HTMLResponse:
@@ -76,13 +92,25 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub, title: str) -> None:
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.get(PREFIX + "/state")
-    async def dashboard_state() -> JSONResponse:
+    async def dashboard_state(replica: str | None = None) -> JSONResponse:
+        try:
+            hub = views.hub(replica)
+        except UnknownViewError as exc:
+            return no_such_view(exc)
         return JSONResponse(await hub.state(), headers={"Cache-Control": "no-store"})
 
     @app.get(PREFIX + "/events")
-    async def dashboard_events() -> StreamingResponse:
+    async def dashboard_events(replica: str | None = None) -> Response:
+        try:
+            hub = views.hub(replica)
+        except UnknownViewError as exc:
+            return no_such_view(exc)
         return StreamingResponse(
             hub.events(), media_type="text/event-stream",
             # X-Accel-Buffering: a reverse proxy (nginx) must pass each event on at once.
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
+
+    @app.get(PREFIX + "/replicas")
+    async def dashboard_replicas() -> JSONResponse:
+        return JSONResponse(views.describe(), headers={"Cache-Control": "no-store"})

@@ -30,15 +30,19 @@ from pagedllm.entrypoints.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.defaults import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
     DEFAULT_TIMEOUT_BODY,
 )
 from pagedllm.entrypoints.openai.guard import GuardMiddleware
 from pagedllm.entrypoints.openai.http_limits import PortInUseError, bind_socket, is_serving_rank, server_config
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.router import router
 from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, server_tokenizer
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -93,6 +97,8 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     data_parallel: DataParallelConfig | None = None,
+    reasoning_parser: str | None = None,
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args, on the engine's own thread,
     unless ``engine`` is given).
@@ -103,12 +109,16 @@ def build_app(
     ``chat_template``: a file or the template text, used instead of the tokenizer's.
     ``data_parallel``: engine replicas on Ray behind this app (distributed/replica_frontend.py)
     instead of one engine here, when it asks for them.
+    ``responses_store_size``: how many stored /v1/responses are kept in memory (an LRU).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {reasoning_parser!r}.")
     template = load_chat_template(chat_template)
+    response_store = ResponseStore(responses_store_size)  # before the engine: a bad size fails fast
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
@@ -163,7 +173,11 @@ def build_app(
     app.state.metrics = metrics
     app.state.serving_completion = OpenAIServingCompletion(ctx)
     parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser is not None else None
-    app.state.serving_chat = OpenAIServingChat(ctx, template, response_role, parser, enable_auto_tool_choice)
+    app.state.serving_chat = OpenAIServingChat(
+        ctx, template, response_role, parser, enable_auto_tool_choice,
+        reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None,
+    )
+    app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat, response_store)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        log_requests=log_requests, timeout_body=timeout_body)
     install_dashboard(app, async_engine, names[0])  # after the guard: its ?key= handling must run first
@@ -275,6 +289,8 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
             tool_call_parser=settings.tool_call_parser,
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
             data_parallel=settings.data_parallel,
+            reasoning_parser=settings.reasoning_parser,
+            responses_store_size=settings.responses_store_size,
         )
     except ValueError as exc:  # a setting that cannot work: say which, exit 2 as argparse does
         logger.error("%s", exc)

@@ -292,13 +292,17 @@ class ServerMetrics:
         self.e2e_latency.observe(max(now - timing.arrival_time, 0.0))
         if output.metrics is not None and output.metrics.time_in_queue is not None:
             self.queue_time.observe(max(output.metrics.time_in_queue, 0.0))
-        num_generated = sum(len(c.token_ids) for c in output.outputs)
+        # A pooling request (an embedding) generates nothing and has no completion outputs.
+        completions = output.outputs if isinstance(output.outputs, list) else []
+        num_generated = sum(len(c.token_ids) for c in completions)
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(num_generated)
         first = timing.first_token_time if timing.first_token_time is not None else now
         if num_generated > 1:
             self.time_per_output_token.observe(max(now - first, 0.0) / (num_generated - 1))
-        reason = output.outputs[0].finish_reason if output.outputs else None
+        reason = completions[0].finish_reason if completions else None
+        if not isinstance(output.outputs, list) and output.outputs is not None:
+            reason = "stop"  # a pooling request ends with its prompt
         if output.error is not None:
             reason = "error"
         self.request_success.labels(self.model_name, reason or "unknown").inc()

@@ -224,6 +224,9 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    # An earlier reply's reasoning (vLLM's fields), handed to the chat template.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # OpenAI's older assistant field, refused (see serving_chat).
     function_call: dict[str, Any] | None = None
 
@@ -339,6 +342,10 @@ class ChatResponseMessage(OpenAIModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # With --reasoning-parser: the reply's reasoning, apart from its content (vLLM's reasoning_content;
+    # reasoning is vLLM's newer name for the same text).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIModel):
@@ -363,6 +370,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):
@@ -383,6 +392,40 @@ class ChatCompletionStreamResponse(OpenAIModel):
     system_fingerprint: str | None = None
 
 
+# ---------------------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings request plus vLLM's extras (add_special_tokens, normalize, truncate_prompt_tokens,
+    priority)."""
+
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: str | None = None  # written to the request's log line
+    add_special_tokens: Bool = True
+    normalize: Bool | None = None
+    # Keep only the last k tokens of each input (-1: the last max_model_len); None: refuse a longer input.
+    truncate_prompt_tokens: Int | None = None
+    priority: Int = 0
+
+
+class EmbeddingResponseData(OpenAIModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
 # ---------------------------------------------------------------------------- models, tokenizer
 
 
@@ -394,6 +437,9 @@ class ModelCard(OpenAIModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # What the model serves here: ["generate"] (completions, chat) or ["embed"] (embeddings), as the
+    # engine's runner decides (vLLM's task names); a client picks its endpoint without trial and error.
+    supported_tasks: list[str] | None = None
 
 
 class ModelList(OpenAIModel):

@@ -19,7 +19,6 @@ _REFUSED_CHAT_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "metadata": (({},), "metadata is stored with the completion, and this server stores nothing (store)"),
     "modalities": ((["text"],), "only the text modality is supported"),
     "prediction": ((), "predicted outputs are not supported"),
-    "reasoning_effort": ((), "this server runs no reasoning models; reasoning_effort has nothing to set"),
     "service_tier": (("auto", "default"), "this server has one service tier: 'auto' or 'default'"),
     "store": ((False,), "this server stores no completions; store must be false"),
     "verbosity": ((), "verbosity is not supported"),
@@ -36,6 +35,26 @@ def refuse_unsupported_chat_fields(request: Any) -> None:
         if message.function_call is not None:
             raise bad_request(f"messages[{i}].function_call: the deprecated function_call is not supported; "
                               "send tool_calls instead.", f"messages.{i}.function_call")
+
+
+# OpenAI's reasoning_effort values that vLLM (and GPT-OSS's chat template) take.
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def chat_template_kwargs(request: Any) -> dict[str, Any] | None:
+    """The request's chat_template_kwargs, with reasoning_effort added for templates that read it
+    (GPT-OSS's); a bad reasoning_effort or enable_thinking is a 400."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}.",
+                              "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+    if not isinstance(kwargs.get("enable_thinking", False), bool):
+        raise bad_request(f"chat_template_kwargs.enable_thinking must be true or false, got "
+                          f"{kwargs['enable_thinking']!r}.", "chat_template_kwargs")
+    return kwargs or None
 
 
 def structured_outputs(request: Any) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -16,12 +16,15 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_base import APIError, ServingContext, bad_request
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, require_generation, supported_tasks
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -63,7 +66,8 @@ async def version() -> JSONResponse:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     ctx = _ctx(request)
-    cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+    tasks = list(supported_tasks(ctx))
+    cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len, supported_tasks=tasks)
              for name in ctx.served_model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -116,9 +120,40 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
 
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    require_generation(_ctx(raw_request))
     return await raw_request.app.state.serving_completion.create_completion(request, raw_request)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    require_generation(_ctx(raw_request))
     return await raw_request.app.state.serving_chat.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    # The handler holds nothing but the serving context, so it is made per request.
+    return await OpenAIServingEmbedding(_ctx(raw_request)).create_embedding(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    require_generation(_ctx(raw_request))
+    return await raw_request.app.state.serving_responses.create_response(request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    if raw_request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise bad_request("Streaming a stored response again is not supported; leave out stream.", "stream")
+    return raw_request.app.state.serving_responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request) -> Response:
+    return raw_request.app.state.serving_responses.delete(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, raw_request: Request) -> Response:
+    return raw_request.app.state.serving_responses.cancel(response_id)

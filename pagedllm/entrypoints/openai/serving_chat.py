@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.chat_utils import render_chat_checked
 from pagedllm.entrypoints.openai.chat_tools import ToolCallStream, ToolPlan, parse_reply, tool_plan
+from pagedllm.entrypoints.openai.harmony import harmony_stop_token_ids
+from pagedllm.entrypoints.openai.openai_tool_parser import OpenAIToolParser
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionRequest,
@@ -23,7 +25,16 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatTopLogprob,
     random_id,
 )
-from pagedllm.entrypoints.openai.request_fields import refuse_unsupported_chat_fields, structured_outputs
+from pagedllm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    constraint_after_reasoning,
+)
+from pagedllm.entrypoints.openai.request_fields import (
+    chat_template_kwargs,
+    refuse_unsupported_chat_fields,
+    structured_outputs,
+)
 from pagedllm.entrypoints.openai.serving_base import (
     ClosingStreamingResponse,
     ServingContext,
@@ -73,6 +84,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for name in ("name", "refusal"):
             if getattr(message, name) is not None:
                 entry[name] = getattr(message, name)
+        reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if reasoning is not None:  # Qwen3's template reads reasoning_content, GPT-OSS's thinking
+            entry["reasoning_content"] = entry["thinking"] = reasoning
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls.", f"messages.{i}")
@@ -125,12 +139,23 @@ class OpenAIServingChat:
         response_role: str = "assistant",
         tool_parser: ToolParser | None = None,
         enable_auto_tool_choice: bool = False,
+        reasoning_parser: type[ReasoningParser] | None = None,
     ) -> None:
         self.ctx = ctx
         self.chat_template = chat_template
         self.response_role = response_role
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: one instance per request
+
+    def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        """This request's reasoning parser (it knows chat_template_kwargs; the prompt comes after rendering)."""
+        if self.reasoning_parser is None:
+            return None
+        parser = self.reasoning_parser(self.ctx.tokenizer, chat_template_kwargs=request.chat_template_kwargs)
+        if parser.needs_special_tokens:
+            request.skip_special_tokens = False  # the reply's markers are special tokens: keep them in the text
+        return parser
 
     def render(self, request: Any, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """On the tokenizer thread: the chat template applied and tokenized; ValueError says what is wrong."""
@@ -163,6 +188,8 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         if top_logprobs is not None and not 0 <= top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {top_logprobs}.", "top_logprobs")
+        request.chat_template_kwargs = chat_template_kwargs(request)  # with reasoning_effort, checked
+        reasoning = self._reasoning_parser(request)
         plan = tool_plan(request, self.tool_parser, self.enable_auto_tool_choice)
         spec, spec_field = structured_outputs(request)
         if plan.constraint is not None:
@@ -172,12 +199,21 @@ class OpenAIServingChat:
             spec, spec_field = plan.constraint, "tools"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = ctx.make_sampling_params(request, max_tokens, top_logprobs, spec)
+        if (reasoning is not None and reasoning.needs_special_tokens) or isinstance(plan.parser, OpenAIToolParser):
+            # A harmony reply ends at <|call|> as well as at <|return|>.
+            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *harmony_stop_token_ids(
+                ctx.tokenizer)]))
         await ctx.compile_grammar(spec, spec_field)
         try:
             text, token_ids = await ctx.run_in_tokenizer_thread(self.render, request, plan.tools)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
         ctx.check_length(len(token_ids), max_tokens, "messages")
+        if reasoning is not None:
+            reasoning.prompt = text  # whether the template opened the reasoning already
+            # The thinking is free; a constraint starts once the model has ended it.
+            params.structured_outputs = params.guided_decoding = constraint_after_reasoning(
+                params.structured_outputs, reasoning)
         request_id = random_id("chatcmpl")
         set_log_info(raw_request, id=request_id, **ctx.identity(request))
         await ctx.add_requests([request_id], [{"prompt_token_ids": token_ids, "prompt": text}], params, "messages",
@@ -191,7 +227,7 @@ class OpenAIServingChat:
         if request.stream:
             return ClosingStreamingResponse(
                 self._stream(request, raw_request, request_id, role, echo, plan, top_logprobs,
-                             params.stop_strings, streams),
+                             params.stop_strings, streams, reasoning),
                 on_close=lambda: ctx.abort_unfinished([request_id]),
             )
         finals = await final_outputs(ctx, raw_request, [request_id], streams)
@@ -205,10 +241,16 @@ class OpenAIServingChat:
             logprobs = None
             if top_logprobs is not None and completion.logprobs is not None:
                 logprobs = chat_logprobs(ctx, completion.token_ids, completion.logprobs, top_logprobs)
-            content, calls = parse_reply(plan, completion.text)
+            thinking, reply = None, completion.text
+            if reasoning is not None:  # tool calls are read from the content alone
+                thinking, reply = reasoning.extract(completion.text)
+            content, calls = parse_reply(plan, reply or "")
             if echo and not calls:
                 content = echo + (content or "")
-            message = ChatResponseMessage(role=role, content=content, tool_calls=[c.to_openai() for c in calls])
+            if reasoning is not None and not content:
+                content = None
+            message = ChatResponseMessage(role=role, content=content, tool_calls=[c.to_openai() for c in calls],
+                                          reasoning_content=thinking, reasoning=thinking)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=completion.index,
@@ -238,10 +280,12 @@ class OpenAIServingChat:
         top_logprobs: int | None,
         stop_strings: list[str],
         streams: list[Any],
+        reasoning: ReasoningParser | None = None,
     ):
         ctx = self.ctx
         created = int(time.time())
         tool_streams: dict[int, ToolCallStream] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
@@ -249,7 +293,14 @@ class OpenAIServingChat:
 
         def choice_chunks(delta: ChoiceDelta) -> list[dict[str, Any]]:
             state = tool_streams.setdefault(delta.index, ToolCallStream(plan))
-            messages = state.delta(delta.text, delta.finished)
+            text, thinking = delta.text, ""
+            if reasoning is not None:
+                if delta.index not in reasoning_streams:
+                    reasoning_streams[delta.index] = reasoning.stream()
+                thinking, text = reasoning_streams[delta.index].delta(delta.text, delta.finished)
+            messages = state.delta(text, delta.finished)
+            if thinking:
+                messages.insert(0, {"reasoning_content": thinking, "reasoning": thinking})
             logprobs = None
             new_token_ids = delta.new_token_ids
             if top_logprobs is not None and delta.completion.logprobs is not None and new_token_ids:

@@ -13,7 +13,7 @@
   // State the browser test reads (window.dashboard): counts drawn, updates, render times.
   const dash = window.dashboard = {
     updates: 0, renders: 0, counts: null, chartPoints: 0, chartsDrawn: 0, lastDrawMs: 0, avgDrawMs: 0,
-    maxDrawMs: 0, connected: false, snapshot: null, error: null, kvInfo: null,
+    maxDrawMs: 0, connected: false, snapshot: null, error: null, kvInfo: null, view: null, down: null,
   };
   const drawTimes = [];
   const history = [];
@@ -23,7 +23,16 @@
   const params = new URLSearchParams(location.search);
   let apiKey = params.get('key') || sessionStorage.getItem('pagedllm-dashboard-key') || '';
   const base = location.pathname.replace(/\/+$/, '');
-  const url = (path) => base + path + (apiKey ? '?key=' + encodeURIComponent(apiKey) : '');
+  // With data-parallel replicas: which view the page shows ('all', or a replica's number).
+  let view = config.replicas ? (params.get('replica') || config.default_view).trim().toLowerCase() : null;
+  dash.view = view;
+  const url = (path) => {
+    const query = new URLSearchParams();
+    if (apiKey) query.set('key', apiKey);
+    if (view !== null) query.set('replica', view);
+    const text = query.toString();
+    return base + path + (text ? '?' + text : '');
+  };
   const statusEl = document.getElementById('status');
   const keyForm = document.getElementById('key-form');
   let source = null;
@@ -51,13 +60,21 @@
       keyForm.hidden = false;
       return;
     }
+    if (response.status === 400 && view !== null && view !== config.default_view) {
+      view = config.default_view; // ?replica= named no view (say, a replica count that changed)
+      dash.view = view;
+      connect();
+      return;
+    }
     if (!response.ok) {
       setStatus('error ' + response.status + ', retrying…', 'error');
       retryTimer = setTimeout(connect, 3000);
       return;
     }
     keyForm.hidden = true;
-    receive(await response.json(), false);
+    const first = await response.json();
+    if (first.view !== undefined && first.view !== view) return; // switched meanwhile: that connect() wins
+    receive(first, false);
     source = new EventSource(url('/events'));
     source.addEventListener('open', () => { dash.connected = true; setStatus('live', 'live'); });
     source.addEventListener('history', (event) => {
@@ -84,11 +101,44 @@
     connect();
   });
 
+  // ------------------------------------------------------------------ the replica selector
+
+  const picker = document.getElementById('replica-picker');
+  const select = document.getElementById('replica-select');
+
+  // Options: every replica together, then each replica with its live state (from each update).
+  function updatePicker(s) {
+    if (!s.replicas) return;
+    picker.hidden = false;
+    const live = s.replicas.filter((r) => r.live).length;
+    const options = [['all', `all (${live} of ${s.replicas.length} live)`]].concat(
+      s.replicas.map((r) => [String(r.replica), `replica ${r.replica} (${r.live ? 'live' : 'dead'})`]));
+    const current = [...select.options].map((o) => o.value + '\u0000' + o.textContent).join('\n');
+    if (current !== options.map(([v, t]) => v + '\u0000' + t).join('\n')) {
+      select.innerHTML = options.map(([v, t]) =>
+        `<option value="${escapeHtml(v)}" data-live="${t.includes('(dead)') ? 'false' : 'true'}">${escapeHtml(t)}</option>`).join('');
+    }
+    select.value = view;
+  }
+
+  select.addEventListener('change', () => {
+    view = select.value;
+    dash.view = view;
+    const query = new URLSearchParams(location.search);
+    query.set('replica', view);
+    history.length = 0; // the new view's own series arrive with its stream
+    dash.updates = 0;
+    pending = null;
+    window.history.replaceState(null, '', location.pathname + '?' + query.toString());
+    connect();
+  });
+
   // ------------------------------------------------------------------ updates, one render per frame
 
   let pending = null;
   function receive(snapshot, streamed) {
-    if (streamed) {
+    if (snapshot.view !== undefined && snapshot.view !== view) return; // from the view just left
+    if (streamed && snapshot.point) {
       dash.updates += 1;
       history.push(snapshot.point);
       if (history.length > HISTORY_MAX) history.splice(0, history.length - HISTORY_MAX);
@@ -115,12 +165,28 @@
 
   function render(s) {
     dash.snapshot = s;
+    updatePicker(s);
+    const down = document.getElementById('replica-down');
+    dash.down = s.down || null;
+    down.hidden = !s.down;
+    document.getElementById('pools').hidden = !!s.down;
+    document.getElementById('map-legend').hidden = !!s.down;
+    document.getElementById('kv-info').hidden = !!s.down;
+    if (s.down) { // a replica down: say so where its pool was; its charts keep their history
+      down.textContent = s.down;
+      document.getElementById('pool-info').textContent = '';
+      document.querySelector('#requests tbody').innerHTML = '';
+      document.getElementById('requests-note').textContent = 'none: down';
+      drawCharts();
+      return;
+    }
     document.getElementById('title').textContent = config.title + (s.simulated ? ' (SIMULATED)' : '');
     const b = s.blocks;
     const kv = s.kv_cache;
     document.getElementById('pool-info').textContent =
       `${b.total.toLocaleString()} blocks × ${s.block_size} tokens` + (kv ? ` · ${kvDtypeLabel(kv)} KV` : '') +
-      ` · ${s.kv_allocation} · KV usage ${(100 * b.used / Math.max(1, b.total)).toFixed(1)}%`;
+      ` · ${s.kv_allocation} · KV usage ${(100 * b.used / Math.max(1, b.total)).toFixed(1)}%` +
+      (s.segments ? ` · ${s.segments.length} replica pools side by side` : '');
     renderKvInfo(s);
     const counts = drawMaps(s);
     dash.counts = counts;
@@ -271,6 +337,18 @@
         for (let x = 0; x < inner; x++) pixels[row + x] = full;
       }
     }
+    // All replicas' pools in one map: a dark bar on the left of each replica's first block but the first.
+    const segments = dash.snapshot && dash.snapshot.segments;
+    if (segments) {
+      const edge = pack([29, 35, 48]), startKey = isCpu ? 'cpu_start' : 'start';
+      const barWidth = Math.max(1, Math.floor(inner / 4));
+      for (const seg of segments) {
+        const start = seg[startKey];
+        if (start <= 0 || start >= n) continue;
+        const x0 = (start % cols) * cell, y0 = Math.floor(start / cols) * cell;
+        for (let y = 0; y < cell; y++) for (let x = 0; x < barWidth; x++) pixels[(y0 + y) * width + x0 + x] = edge;
+      }
+    }
     ctx.putImageData(image, 0, 0);
   }
 
@@ -295,6 +373,19 @@
     return counts;
   }
 
+  // In the all-replicas view the pools sit side by side: a cell's replica and its block id there.
+  function whereIs(id, isCpu) {
+    const segments = dash.snapshot && dash.snapshot.segments;
+    if (!segments) return { prefix: '', id };
+    const startKey = isCpu ? 'cpu_start' : 'start', sizeKey = isCpu ? 'cpu_blocks' : 'blocks';
+    for (const seg of segments) {
+      if (id >= seg[startKey] && id < seg[startKey] + seg[sizeKey]) {
+        return { prefix: `replica ${seg.replica}: `, id: id - seg[startKey] };
+      }
+    }
+    return { prefix: '', id };
+  }
+
   const tooltip = document.getElementById('tooltip');
   function onHover(event) {
     const entry = layouts.get(event.target);
@@ -308,8 +399,9 @@
     if (col >= layout.cols || id < 0 || id >= map.state.length) { tooltip.hidden = true; return; }
     const ownerIndices = map.owners[String(id)] || (map.owner[id] >= 0 ? [map.owner[id]] : []);
     const owners = ownerIndices.map((k) => (requests[k] ? requests[k].id : '?'));
+    const where = whereIs(id, isCpu);
     const lines = [
-      `${isCpu ? 'CPU' : 'device'} block #${id}: ${STATE_NAMES[map.state[id]]}`,
+      `${where.prefix}${isCpu ? 'CPU' : 'device'} block #${where.id}: ${STATE_NAMES[map.state[id]]}`,
       `ref count ${map.ref[id]} · fill ${map.fill[id]}/${blockSize} slots`,
     ];
     if (owners.length) lines.push('owners: ' + owners.slice(0, 6).join(', ') + (owners.length > 6 ? ` (+${owners.length - 6})` : ''));
@@ -469,7 +561,8 @@
     const rows = s.requests.slice(0, MAX_ROWS).map((r) => {
       const rgb = requestColour(r.id);
       return `<tr><td><i class="sw" style="background:rgb(${rgb.join(',')})"></i></td>` +
-        `<td class="id" title="${escapeHtml(r.id)}">${escapeHtml(r.id)}</td>` +
+        `<td class="id" title="${escapeHtml(r.id)}">` +
+        (r.replica !== undefined ? `<span class="replica-tag">r${r.replica}</span>` : '') + `${escapeHtml(r.id)}</td>` +
         `<td class="state-${r.state}">${r.state}</td><td>${r.num_seqs}</td><td>${r.prompt_tokens}</td>` +
         `<td>${r.output_tokens}</td><td>${r.blocks}</td><td>${r.shared_blocks}</td><td>${r.preemptions}</td></tr>`;
     });
