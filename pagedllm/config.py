@@ -151,12 +151,27 @@ class SpeculativeConfig:
         return cls(**json_object_setting(value, "speculative_config", set(cls.__dataclass_fields__)))
 
 
+# Scheduling defaults shared by EngineArgs (what a user sets) and SchedulerConfig (what the scheduler
+# reads), so a scheduler built directly (tests, the simulator) schedules as the engine's does.
+# Chunked: a step's budget bounds how long running streams wait for a prompt (on a CPU a few hundred
+# tokens take a fraction of a second); typical prompts fit it whole, longer ones advance
+# DEFAULT_LONG_PROMPT_CHUNK_TOKENS a step. Unchunked: whole prompts must fit the budget.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 512
+DEFAULT_LONG_PROMPT_CHUNK_TOKENS = 256
+
+
+def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """A step's token budget when none is set."""
+    return DEFAULT_CHUNKED_BATCHED_TOKENS if enable_chunked_prefill else max(max_model_len, 8192)
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets of one step and the preemption policy."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: default_max_num_batched_tokens (512 with chunked prefill, else max(max_model_len, 8192)).
+    max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
     # Admission keeps this fraction of the pool free so running sequences can grow.
     watermark: float = 0.01
@@ -179,7 +194,7 @@ class SchedulerConfig:
     # Prompts that fit the budget still run whole, so the budget can be sized for typical prompts
     # (one step to their first token) while a long prompt advances in chunks that bound how long
     # it holds up the running streams.
-    long_prompt_chunk_tokens: int = 0
+    long_prompt_chunk_tokens: int = DEFAULT_LONG_PROMPT_CHUNK_TOKENS
     # With chunking: in a step that decodes, prompt chunks take at most this many tokens in all
     # (0: the budget's rest). A prompt that arrives while streams decode then holds each of them
     # up by a bounded chunk per step, while one that arrives at an idle engine gets the whole budget.
@@ -193,6 +208,10 @@ class SchedulerConfig:
             raise ValueError(f"batching must be 'iteration' or 'request', got {self.batching!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_max_num_batched_tokens(
+                self.enable_chunked_prefill, self.max_model_len
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.long_prefill_token_threshold < 0:
@@ -397,7 +416,8 @@ class EngineArgs:
     # None: chosen by LLMEngine.from_engine_args once the model's length is known.
     max_num_batched_tokens: int | None = setting(
         None, "scheduling",
-        "Token budget of one step (default: 512 with chunked prefill, else max(max_model_len, 8192)).",
+        f"Token budget of one step (default: {DEFAULT_CHUNKED_BATCHED_TOKENS} with chunked prefill, else "
+        "max(max_model_len, 8192)).",
     )
     max_model_len: int | None = setting(None, "model and loading", "Context length (default: the model's).")
     seed: int = setting(0, "model and loading", "Seed of the engine's random generator (a request's own seed wins).")
@@ -435,7 +455,7 @@ class EngineArgs:
         "With chunked prefill: the most prompt tokens one request computes in a step (0: no limit but the budget).",
     )
     long_prompt_chunk_tokens: int = setting(
-        256, "scheduling",
+        DEFAULT_LONG_PROMPT_CHUNK_TOKENS, "scheduling",
         "With chunked prefill: the most tokens per step of a prompt longer than the step budget (prompts within "
         "the budget run whole; 0: no limit but the budget).",
     )

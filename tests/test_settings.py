@@ -334,3 +334,21 @@ def test_serve_help_keeps_the_server_groups(capsys) -> None:
     assert "--timeout-body" in limits and "--limit-concurrency" in limits
     replicas = text.split("\ndata-parallel replicas on Ray (see the README):\n", 1)[1].split("\n\n", 1)[0]
     assert "-dp" in replicas and "--distributed-executor-backend" in replicas
+
+
+def test_scheduler_defaults_are_the_engine_settings_defaults():
+    """A scheduler built directly (tests, the simulator) schedules as the engine built from EngineArgs() does."""
+    import dataclasses
+
+    from pagedllm.config import DEFAULT_CHUNKED_BATCHED_TOKENS, EngineArgs, SchedulerConfig
+
+    engine_defaults = EngineArgs()
+    scheduler = SchedulerConfig()
+    shared = {f.name for f in dataclasses.fields(SchedulerConfig)} & {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {"long_prompt_chunk_tokens", "max_num_batched_tokens", "max_num_seqs"} <= shared
+    for name in shared - {"max_num_batched_tokens", "max_model_len", "speculative_config"}:
+        assert getattr(scheduler, name) == getattr(engine_defaults, name), name
+    # None on both sides means the same rule: 512 with chunked prefill, else max(max_model_len, 8192).
+    assert engine_defaults.max_num_batched_tokens is None
+    assert scheduler.max_num_batched_tokens == DEFAULT_CHUNKED_BATCHED_TOKENS
+    assert SchedulerConfig(enable_chunked_prefill=False, max_model_len=16384).max_num_batched_tokens == 16384

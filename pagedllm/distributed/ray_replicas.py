@@ -28,6 +28,7 @@ from pagedllm.engine.async_engine import (
     RequestFailedError,
     RequestRejectedError,
 )
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class EngineReplica:
             "cache_config": engine.cache_config,
             "kv_cache_info": dict(engine.kv_cache_info),
             "max_seq_len": engine.max_seq_len,
+            "supported_tasks": engine.supported_tasks,
             "pid": os.getpid(),
             "tensor_parallel_placement": self._placement(),
         }
@@ -88,7 +90,7 @@ class EngineReplica:
         return {0: {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}}
 
     async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float, priority: int
+        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int
     ) -> Any:
         """Streaming generator: ReplicaEvent("accepted") or a refusal, then the RequestOutputs."""
         engine = self.async_engine

@@ -46,7 +46,9 @@ from pagedllm.engine.async_engine import (
     RequestFailedError,
     RequestRejectedError,
     RequestTiming,
+    record_output,
 )
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
 
@@ -60,7 +62,7 @@ _STREAM_AHEAD = 2
 class _Request:
     request_id: str
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     priority: int
     token_ids: list[int]
@@ -233,7 +235,7 @@ class ReplicatedEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -348,7 +350,7 @@ class ReplicatedEngine:
                         done = True
                         raise RequestRejectedError(str(refused)) from None
                     continue
-                self._observe(request, item)
+                record_output(item, request.timing, time.time(), self.output_observer)
                 request.delivered = True
                 done = item.finished
                 yield item
@@ -356,22 +358,6 @@ class ReplicatedEngine:
                     return
         finally:
             self._forget(request, abort=not done)
-
-    def _observe(self, request: _Request, output: RequestOutput) -> None:
-        now = time.time()
-        timing = request.timing
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = max(num_tokens - timing.num_generated_tokens, 0)
-        if self.output_observer is not None:
-            try:
-                self.output_observer(output, timing, now, new_tokens)
-            except Exception:  # noqa: BLE001 - metrics must never break serving
-                logger.exception("output observer failed")
-        if new_tokens:
-            if timing.first_token_time is None:
-                timing.first_token_time = now
-            timing.last_token_time = now
-            timing.num_generated_tokens = num_tokens
 
     def _forget(self, request: _Request, abort: bool) -> None:
         if self._requests.get(request.request_id) is not request:

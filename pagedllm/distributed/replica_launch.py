@@ -30,6 +30,8 @@ class EngineShell:
     structured_outputs: Any
     kv_cache_info: dict[str, Any]
     max_seq_len: int
+    # ("generate",) or ("embed",): what the replicas' runner serves.
+    supported_tasks: tuple[str, ...] = ("generate",)
 
 
 def start_replicas(
@@ -89,6 +91,7 @@ def start_replicas(
         tokenizer=tokenizer,
         structured_outputs=StructuredOutputManager(tokenizer, model_config.hf_config.vocab_size),
         kv_cache_info=first["kv_cache_info"], max_seq_len=min(d["max_seq_len"] for d in described),
+        supported_tasks=tuple(first["supported_tasks"]),
     )
     return shell, actors, groups, owns_ray
 

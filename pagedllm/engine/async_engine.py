@@ -68,6 +68,23 @@ class RequestTiming:
 OutputObserver = Callable[[RequestOutput, RequestTiming, float, int], None]
 
 
+def record_output(output: Any, timing: RequestTiming, now: float, observer: OutputObserver | None) -> None:
+    """Show one output to the observer (with how many tokens it adds), then advance the request's timing."""
+    # A pooling request's output (an embedding) carries no generated tokens.
+    num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
+    new_tokens = max(num_tokens - timing.num_generated_tokens, 0)
+    if observer is not None:
+        try:
+            observer(output, timing, now, new_tokens)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            logger.exception("output observer failed")
+    if new_tokens:
+        if timing.first_token_time is None:
+            timing.first_token_time = now
+        timing.last_token_time = now
+        timing.num_generated_tokens = num_tokens
+
+
 class _RequestStream:
     """The latest output of one request, and an error to raise instead when there is one."""
 
@@ -358,19 +375,7 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # its consumer left; the abort is queued
-            # A pooling request's output (an embedding) carries no generated tokens.
-            num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
-            new_tokens = max(num_tokens - stream.timing.num_generated_tokens, 0)
-            if self.output_observer is not None:
-                try:
-                    self.output_observer(output, stream.timing, now, new_tokens)
-                except Exception:  # noqa: BLE001 - metrics must never break serving
-                    logger.exception("output observer failed")
-            if new_tokens:
-                if stream.timing.first_token_time is None:
-                    stream.timing.first_token_time = now
-                stream.timing.last_token_time = now
-                stream.timing.num_generated_tokens = num_tokens
+            record_output(output, stream.timing, now, self.output_observer)
             stream.put(output)
 
     def _die(self, exc: BaseException) -> None:

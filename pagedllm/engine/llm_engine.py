@@ -50,9 +50,6 @@ from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
 
-# The default step token budget with chunked prefill.
-DEFAULT_CHUNKED_BATCHED_TOKENS = 512
-
 
 class LLMEngine:
     def __init__(
@@ -175,14 +172,6 @@ class LLMEngine:
             draft_model_config = load_draft_model_config(
                 speculative_config.model, model_config, tokenizer, args.download_dir
             )
-        max_num_batched_tokens = args.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            # Chunked: a step's budget bounds how long running streams wait for a prompt (on a CPU a
-            # few hundred tokens take a fraction of a second); typical prompts fit it whole, longer
-            # ones advance long_prompt_chunk_tokens a step. Unchunked: whole prompts must fit.
-            max_num_batched_tokens = (
-                DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill else max(model_config.max_model_len, 8192)
-            )
         cache_config = CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -194,7 +183,7 @@ class LLMEngine:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=args.preemption_mode,
             kv_allocation=args.kv_allocation,

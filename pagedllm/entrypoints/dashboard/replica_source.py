@@ -39,13 +39,11 @@ def down_document(view: str, replicas: list[dict[str, Any]], reason: str) -> dic
     return {"view": view, "replicas": replicas, "down": reason}
 
 
-class ReplicaSource:
-    """One replica's pool and queues (``view`` is its number as text, as ``?replica=`` takes it)."""
+class _ReplicaSetSource:
+    """What every replica view shares: the wall clock, and life as long as the replicated engine's."""
 
-    def __init__(self, replicas: ReplicaSet, replica: int, kv_cache_info: dict[str, Any] | None = None) -> None:
+    def __init__(self, replicas: ReplicaSet, kv_cache_info: dict[str, Any] | None = None) -> None:
         self.replicas = replicas
-        self.replica = replica
-        self.view = str(replica)
         # The pool's format and size, the same on every replica (source_kv_cache reads it).
         self.kv_cache_info = kv_cache_info
 
@@ -54,6 +52,15 @@ class ReplicaSource:
 
     def is_alive(self) -> bool:
         return not self.replicas.has_stopped
+
+
+class ReplicaSource(_ReplicaSetSource):
+    """One replica's pool and queues (``view`` is its number as text, as ``?replica=`` takes it)."""
+
+    def __init__(self, replicas: ReplicaSet, replica: int, kv_cache_info: dict[str, Any] | None = None) -> None:
+        super().__init__(replicas, kv_cache_info)
+        self.replica = replica
+        self.view = str(replica)
 
     async def capture(self) -> dict[str, Any]:
         try:
@@ -65,20 +72,10 @@ class ReplicaSource:
         return snapshot
 
 
-class AllReplicasSource:
+class AllReplicasSource(_ReplicaSetSource):
     """Every live replica together: one map of all their pools (``segments`` says whose blocks are where)."""
 
     view = ALL_REPLICAS
-
-    def __init__(self, replicas: ReplicaSet, kv_cache_info: dict[str, Any] | None = None) -> None:
-        self.replicas = replicas
-        self.kv_cache_info = kv_cache_info
-
-    def now(self) -> float:
-        return time.time()
-
-    def is_alive(self) -> bool:
-        return not self.replicas.has_stopped
 
     async def capture(self) -> dict[str, Any]:
         states = self.replicas.replica_states()
