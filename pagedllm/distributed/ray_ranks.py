@@ -128,7 +128,6 @@ class RayRanks:
                     group, placement_group_bundle_index=first_bundle + rank - 1,
                     placement_group_capture_child_tasks=False,
                 ),
-                name=None,
             )
             if env:
                 options["runtime_env"] = {"env_vars": env}

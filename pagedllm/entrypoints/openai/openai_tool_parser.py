@@ -9,7 +9,16 @@ content is the text of the messages that are neither analysis nor calls.
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.harmony import CHANNEL, START, HarmonyMessage, HarmonyParser, partial_marker_len
+from typing import Any
+
+from pagedllm.entrypoints.openai.harmony import (
+    CHANNEL,
+    START,
+    HarmonyMessage,
+    HarmonyParser,
+    harmony_stop_token_ids,
+    partial_marker_len,
+)
 from pagedllm.entrypoints.openai.tool_formats.base import ParsedToolCall, PartialToolCall, StreamView, ToolParser
 
 
@@ -26,6 +35,9 @@ def _is_content(message: HarmonyMessage) -> bool:
 class OpenAIToolParser(ToolParser):
     name = "openai"
     needs_special_tokens = True
+
+    def stop_token_ids(self, tokenizer: Any) -> list[int]:
+        return harmony_stop_token_ids(tokenizer)  # a call ends at <|call|>, an answer at <|return|>
 
     def _messages(self, text: str, finished: bool) -> list[HarmonyMessage]:
         parser = HarmonyParser()

@@ -21,7 +21,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from pagedllm.entrypoints.openai.harmony import CALL, CHANNEL, MESSAGE, HarmonyMessage, HarmonyParser
+from pagedllm.entrypoints.openai.harmony import (
+    CALL,
+    CHANNEL,
+    MESSAGE,
+    HarmonyMessage,
+    HarmonyParser,
+    harmony_stop_token_ids,
+)
 from pagedllm.entrypoints.openai.tool_formats.base import partial_prefix_len
 
 
@@ -48,6 +55,10 @@ class ReasoningParser:
     @property
     def thinking_enabled(self) -> bool:
         return self.chat_template_kwargs.get("enable_thinking") is not False
+
+    def stop_token_ids(self) -> list[int]:
+        """Tokens that end a reply in this model's format besides the tokenizer's EOS (none for most)."""
+        return []
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished reply; an empty part is None."""
@@ -200,6 +211,9 @@ def is_reasoning(message: HarmonyMessage) -> bool:
 class GptOssReasoningParser(ReasoningParser):
     name = "gpt_oss"
     needs_special_tokens = True
+
+    def stop_token_ids(self) -> list[int]:
+        return harmony_stop_token_ids(self.tokenizer)
 
     def stream(self) -> HarmonyReasoningStream:
         return HarmonyReasoningStream()

@@ -12,8 +12,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.chat_utils import render_chat_checked
 from pagedllm.entrypoints.openai.chat_tools import ToolCallStream, ToolPlan, parse_reply, tool_plan
-from pagedllm.entrypoints.openai.harmony import harmony_stop_token_ids
-from pagedllm.entrypoints.openai.openai_tool_parser import OpenAIToolParser
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionRequest,
@@ -199,10 +197,11 @@ class OpenAIServingChat:
             spec, spec_field = plan.constraint, "tools"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = ctx.make_sampling_params(request, max_tokens, top_logprobs, spec)
-        if (reasoning is not None and reasoning.needs_special_tokens) or isinstance(plan.parser, OpenAIToolParser):
-            # A harmony reply ends at <|call|> as well as at <|return|>.
-            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *harmony_stop_token_ids(
-                ctx.tokenizer)]))
+        # Formats whose replies end at more than the tokenizer's EOS (harmony: <|call|> and <|return|>).
+        format_stops = [*(reasoning.stop_token_ids() if reasoning is not None else []),
+                        *(plan.parser.stop_token_ids(ctx.tokenizer) if plan.parser is not None else [])]
+        if format_stops:
+            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *format_stops]))
         await ctx.compile_grammar(spec, spec_field)
         try:
             text, token_ids = await ctx.run_in_tokenizer_thread(self.render, request, plan.tools)

@@ -94,6 +94,10 @@ class ToolParser:
     def __init__(self) -> None:
         self.tools: list[dict[str, Any]] = []  # the request's tools, for formats typed by their schemas
 
+    def stop_token_ids(self, tokenizer: Any) -> list[int]:
+        """Tokens that end a reply in this format besides the tokenizer's EOS (none for most)."""
+        return []
+
     def for_request(self, tools: list[dict[str, Any]] | None) -> ToolParser:
         """A copy that knows the request's tools (the server's parser is shared by all requests)."""
         clone = copy.copy(self)
