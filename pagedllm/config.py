@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from pagedllm.json_setting import json_object_setting
+from pagedllm.model_reference import is_missing_local_path
 from pagedllm.pooler_config import CONVERTS, RUNNERS, TASKS, PoolerConfig, check_runner_settings
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -77,6 +80,29 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 # Ray placement group strategies for a tensor-parallel group's ranks (distributed/ray_ranks.py).
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+# The most tokens a proposer may guess per step. vLLM sets no upper bound; past a few dozen a draft
+# is almost never accepted whole, and each guess costs a verified position per sequence per step.
+MAX_SPECULATIVE_TOKENS = 64
+
+
+def _check_field_types(instance: Any, setting_name: str) -> None:
+    """ValueError naming the first field whose value is not of its annotated type (JSON has no
+    typed schema: ``"3"`` for 3 must fail here, not as a TypeError deep in a comparison). An int is
+    a float too; a bool is not an int."""
+    hints = typing.get_type_hints(type(instance))
+    for spec in fields(instance):
+        value, hint = getattr(instance, spec.name), hints[spec.name]
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if value is None and type(None) in allowed:
+            continue
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            setattr(instance, spec.name, float(value))
+            continue
+        if not any(isinstance(value, t) and not (t is int and isinstance(value, bool))
+                   for t in allowed if isinstance(t, type) and t is not type(None)):
+            names = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            raise ValueError(f"{setting_name} {spec.name} must be {names}, got {value!r} "
+                             f"({type(value).__name__}).")
 
 
 @dataclass(slots=True)
@@ -112,6 +138,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
+        _check_field_types(self, "speculative_config")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}."
@@ -119,11 +146,15 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config: 'model' (the draft model) is required with method 'draft_model' "
                              f"and only with it (method {self.method!r}, model {self.model!r}).")
+        if self.model is not None and is_missing_local_path(self.model):
+            raise ValueError(f"speculative_config model: the draft model path {self.model!r} does not exist; pass a "
+                             "Hugging Face folder (config.json + weights), a .gguf file, or a hub id ORG/NAME.")
         if self.draft_tensor_parallel_size != 1:
             raise ValueError("speculative_config draft_tensor_parallel_size must be 1 (the draft runs whole on the "
                              f"first rank), got {self.draft_tensor_parallel_size}.")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}.")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
@@ -133,6 +164,15 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}.")
         if not 0.0 <= self.min_request_acceptance <= 1.0:
             raise ValueError(f"min_request_acceptance must be in [0, 1], got {self.min_request_acceptance}.")
+        for name in ("min_request_drafts", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"speculative_config {name} must be >= 0, got {getattr(self, name)}.")
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ValueError("speculative_config suffix_decoding_max_tree_depth must be >= 1, "
+                             f"got {self.suffix_decoding_max_tree_depth}.")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("speculative_config suffix_decoding_min_token_prob must be in [0, 1], "
+                             f"got {self.suffix_decoding_min_token_prob}.")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -142,9 +182,10 @@ class SpeculativeConfig:
         value = json_object_setting(value, "speculative_config")
         # One bound given: the other default moves so that min <= max still holds.
         defaults = {name: field.default for name, field in cls.__dataclass_fields__.items()}
-        if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+        # (Only for integers: a bound of another type is refused by name in __post_init__.)
+        if isinstance(value.get("prompt_lookup_max"), int) and "prompt_lookup_min" not in value:
             value = {**value, "prompt_lookup_min": min(value["prompt_lookup_max"], defaults["prompt_lookup_min"])}
-        if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+        if isinstance(value.get("prompt_lookup_min"), int) and "prompt_lookup_max" not in value:
             value = {**value, "prompt_lookup_max": max(value["prompt_lookup_min"], defaults["prompt_lookup_max"])}
         if "model" in value and "method" not in value:
             value = {**value, "method": "draft_model"}  # vLLM's reading: a model alone names a draft model
@@ -473,8 +514,8 @@ class EngineArgs:
         None, "speculative decoding",
         "Speculative decoding in vLLM's JSON form, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}', method \"suffix\", or "
-        "'{\"method\": \"draft_model\", \"model\": PATH_OR_ID}' (a smaller model with the same tokenizer); greedy "
-        "output stays the same, sampling the same distribution (default: off).",
+        "'{\"method\": \"draft_model\", \"model\": PATH_OR_ID}' (a smaller model with the same tokenizer); "
+        "num_speculative_tokens 1..64; greedy output stays the same, sampling the same distribution (default: off).",
         metavar="JSON",
     )
     distributed_executor_backend: str | None = setting(

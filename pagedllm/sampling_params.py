@@ -7,7 +7,7 @@ beam scorer or the stop checker as a value they cannot compute with. The ranges:
 ==========================  ===============================================================
 temperature                 finite, >= 0 (0 = greedy; 0 < t < 0.01 is raised to 0.01, as vLLM)
 top_p                       (0, 1]
-top_k                       -1 (off) or an integer >= 1
+top_k                       -1 (off) or an integer in [1, 2**31 - 1] (above the vocabulary: all of it)
 min_p                       [0, 1]
 presence/frequency_penalty  [-2, 2]
 repetition_penalty          (0, 100]
@@ -34,6 +34,8 @@ from typing import Any, Literal
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
+# top_k travels as an int32 in the samplers' tensors; any k past the vocabulary means all of it anyway.
+MAX_TOP_K = 2**31 - 1
 # Below this a temperature turns logits into infinities; vLLM raises it to this value.
 MIN_POSITIVE_TEMPERATURE = 1e-2
 # Stop strings are searched after every token and held back from streams: cap their number and size
@@ -55,7 +57,9 @@ class StructuredOutputsParams:
 
     Exactly one of: ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any
     JSON object), ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF in the GBNF
-    dialect of llama.cpp / xgrammar). ``disable_any_whitespace`` makes JSON output compact.
+    dialect of llama.cpp / xgrammar), ``structural_tag`` (xgrammar's structural tag as JSON text:
+    free text in which, e.g., a tool call opened by a trigger follows its schema; the chat server
+    makes one for strict tools). ``disable_any_whitespace`` makes JSON output compact.
     Whether the schema, regex or grammar compiles is checked when the request is added.
 
     ``start_after_token_ids`` (a reasoning model's end-of-reasoning tokens, set by the chat server's
@@ -72,18 +76,19 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
     start_after_token_ids: list[int] | None = None
     optional_open_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                  if getattr(self, name) not in (None, False)]
-        _check(len(given) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
-               f"got {', '.join(given) or 'none'}.")
+        _check(len(given) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
+               f"structural_tag; got {', '.join(given) or 'none'}.")
         _check(self.json is None or isinstance(self.json, (str, dict)),
                f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {_short(self.json)}.")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value != ""),
                    f"structured_outputs.{name} must be a non-empty string, got {_short(value)}.")
@@ -109,8 +114,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """Which constraint this is: "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -207,8 +212,8 @@ class SamplingParams:
         _check_real(self, "temperature", 0.0, math.inf, "must be >= 0 (0 means greedy)")
         _check_real(self, "top_p", 0.0, 1.0, "must be in (0, 1]", low_open=True)
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or an integer >= 1, got {_short(self.top_k)}.",
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K),
+            f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {_short(self.top_k)}.",
         )
         _check_real(self, "min_p", 0.0, 1.0, "must be in [0, 1]")
         _check_real(self, "presence_penalty", -2.0, 2.0, "must be in [-2, 2]")

@@ -12,7 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (servers the tests start in subprocesses inherit it).
 os.environ.setdefault("PAGEDLLM_CPU_BF16", "0")
 
-from kernel_levels import enter_level, levels_here  # noqa: E402  (after the environment it reads)
+from kernel_levels import NOT_ON_THIS_CPU, check_kernels_mark, enter_level, levels_here  # noqa: E402
+from requirements_here import KERNELS_OFF, LEFT_OUT, allowed_missing, require  # noqa: E402
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -125,9 +126,65 @@ def assert_no_leaks(llm) -> None:
 
 @pytest.fixture(params=levels_here())
 def kernel_level(request):
-    """Runs the test once per instruction-set level this CPU executes (kernel_levels.py)."""
+    """Runs the test once per instruction-set level this CPU executes (kernel_levels.py), building
+    the level on first use: a failed build fails the test; kernels off skips it."""
     with enter_level(request.param) as level:
         yield level
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    allowed_missing()  # a misspelt PAGEDLLM_TEST_WITHOUT name is an error before anything runs
+    config.addinivalue_line(
+        "markers", "kernels(level=None): needs the CPU kernels (at least at `level`); a failed build fails it"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    mark = item.get_closest_marker("kernels")
+    if mark is not None:
+        check_kernels_mark(mark.kwargs.get("level"))
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """What this run left out, so that a green run without the kernels or a tool says so: the
+    kernels off, the tools PAGEDLLM_TEST_WITHOUT named, and skips for hardware not here."""
+    from pagedllm.kernels import kernel_config
+    from pagedllm.kernels.dispatch import build_error, loaded_levels
+
+    counts: dict[str, dict[str, int]] = {"off": {}, "left out": {}, "hardware": {}, "other": {}}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = _skip_reason(report)
+        group = ("off" if reason.startswith(KERNELS_OFF) else "left out" if reason.startswith(LEFT_OUT)
+                 else "hardware" if reason.startswith(NOT_ON_THIS_CPU) else "other")
+        counts[group][reason] = counts[group].get(reason, 0) + 1
+    write = terminalreporter.write_line
+    terminalreporter.section("what this run left out")
+    if not kernel_config().cpu_kernels:
+        write(f"CPU KERNELS WERE OFF (PAGEDLLM_CPU_KERNEL=0): {sum(counts['off'].values())} tests that need them "
+              "skipped; the torch paths ran everywhere else")
+    else:
+        failed = [f"{level} ({build_error(level)})" for level in levels_here() if build_error(level)]
+        write(f"CPU kernels: on; levels loaded: {', '.join(loaded_levels()) or 'none'}"
+              + (f"; FAILED to build: {'; '.join(failed)}" if failed else ""))
+    without = sorted(allowed_missing())
+    if without:
+        write(f"PAGEDLLM_TEST_WITHOUT={','.join(without)}: {sum(counts['left out'].values())} skips")
+        for reason, n in sorted(counts["left out"].items()):
+            write(f"  {n:4d}  {reason}")
+    if counts["hardware"]:
+        write(f"Not on this CPU: {sum(counts['hardware'].values())} skips")
+        for reason, n in sorted(counts["hardware"].items()):
+            write(f"  {n:4d}  {reason}")
+    if counts["other"]:
+        write(f"Other skips: {sum(counts['other'].values())}")
+        for reason, n in sorted(counts["other"].items()):
+            write(f"  {n:4d}  {reason}")
 
 
 @pytest.fixture
@@ -154,7 +211,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster of two simulated nodes of one CPU each (Ray's own test tool), per module."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedllm[ray]')")
+    ray = require("ray")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20})

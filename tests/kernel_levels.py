@@ -7,6 +7,10 @@ level is the parameter's, so models built there take that build's kernels; ``ass
 asserts that ``kernel`` ran since the test began and that its branch is the one this level
 compiles (``EXPECTED_BRANCHES``, written from the levels' definitions in pagedllm/kernels/isa.py,
 not read back from the build: a build that fell back to another branch fails here).
+
+The levels are known from the CPU, so collecting builds nothing; a level is built when a test first
+enters it, and a build that fails fails that test with the compiler's reason. ``@pytest.mark.kernels``
+(``kernels(level="amx")``) marks a test that needs the kernels at the active level (conftest.py).
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import pytest
+from requirements_here import KERNELS_OFF
+
 from pagedllm.kernels import kernel_config, use_kernel_config
-from pagedllm.kernels.dispatch import cpu_kernels, module_for
+from pagedllm.kernels.dispatch import build_error, cpu_kernels, module_for
 from pagedllm.kernels.isa import LEVELS, level_index, resolve_level, runnable_levels
+
+# The reason prefix of a skip for a level above this CPU's (or the forced) one: not a missing
+# feature, but listed in the terminal summary too.
+NOT_ON_THIS_CPU = "not on this CPU"
 
 
 def _per_level(scalar: str, avx2: str, avx512: str, avx512_bf16: str, amx: str) -> dict[str, str]:
@@ -43,14 +54,40 @@ EXPECTED_BRANCHES = {
 
 
 def levels_here() -> list[str]:
-    """The levels the kernel tests run at: every level this CPU runs, up to a forced one; none
-    when the kernels are off or cannot be built (the tests then skip, saying so)."""
-    config = kernel_config()
-    if not config.cpu_kernels:
-        return []
-    top = resolve_level(config.isa)
-    levels = [level for level in runnable_levels() if level_index(level) <= level_index(top)]
-    return [level for level in levels if module_for(level) is not None]
+    """The levels the kernel tests run at: every level this CPU runs, up to a forced one. Known from
+    the CPU alone, without building: a level whose build fails fails its tests (``level_module``),
+    and with the kernels off (``PAGEDLLM_CPU_KERNEL=0``) they skip, saying so."""
+    top = resolve_level(kernel_config().isa)
+    return [level for level in runnable_levels() if level_index(level) <= level_index(top)]
+
+
+def level_runs_here(level: str) -> bool:
+    """Whether the kernels' active level (this CPU's best, or the forced one) includes ``level``,
+    read from the CPU without building."""
+    return level_index(resolve_level(kernel_config().isa)) >= level_index(level)
+
+
+def level_module(level: str) -> ModuleType:
+    """The build of ``level``, built on first use: a skip when the run turned the kernels off, a
+    failure with the compiler's reason when it does not build."""
+    if not kernel_config().cpu_kernels:
+        pytest.skip(KERNELS_OFF)
+    module = module_for(level)
+    if module is None:
+        pytest.fail(f"the {level} CPU kernels did not build: {build_error(level)}", pytrace=False)
+    return module
+
+
+def check_kernels_mark(level: str | None) -> None:
+    """What ``@pytest.mark.kernels`` (or ``kernels(level=...)``) asks before a test: the kernels on
+    (else a skip), the active level at least ``level`` (else a skip: the CPU lacks it), its build
+    loaded (else a failure)."""
+    if not kernel_config().cpu_kernels:
+        pytest.skip(KERNELS_OFF)
+    active = resolve_level(kernel_config().isa)
+    if level is not None and not level_runs_here(level):
+        pytest.skip(f"{NOT_ON_THIS_CPU}: needs the {level} level, the kernels run at {active}")
+    level_module(active)
 
 
 def at_least(level: str, minimum: str) -> bool:
@@ -94,9 +131,9 @@ class KernelLevel:
 @contextlib.contextmanager
 def enter_level(level: str) -> Iterator[KernelLevel]:
     """The kernels at ``level`` inside the block."""
+    module = level_module(level)
     with use_kernel_config(isa=level):
-        module = cpu_kernels()
-        assert module is not None and module.ISA == level, f"no {level} build loaded"
+        assert cpu_kernels() is module and module.ISA == level, f"the {level} build is not the one loaded"
         yield KernelLevel(level, module)
 
 

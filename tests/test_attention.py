@@ -6,14 +6,11 @@ import random
 import pytest
 import torch
 from kernel_levels import at_path, kernel_paths
+from requirements_here import require_kernels
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.kernels import cpu_kernels, use_kernel_config
-from pagedllm.kernels.attention import prompt_attention_amx, prompt_attention_amx_supported
-
-AMX_HERE = prompt_attention_amx_supported(
-    torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
-)
+from pagedllm.kernels.attention import prompt_attention_amx
 
 
 def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads, window=None,
@@ -199,7 +196,7 @@ def test_bf16_sdpa_lengths_are_padded_to_the_cpu_block(monkeypatch, window, with
     assert lengths and all(q % backend.SDPA_CPU_BLOCK == 0 and k % backend.SDPA_CPU_BLOCK == 0 for q, k in lengths)
 
 
-@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.kernels(level="amx")
 @pytest.mark.parametrize("window", [None, 40])
 def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window, without_batch_invariance):
     """Mixed batches in bfloat16 with every prompt chunk on the AMX kernel (a window at least
@@ -224,7 +221,7 @@ def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window, without_batch_inva
     assert cpu_kernels().kernel_branches()["prompt_attention_amx"][0] == "amx"
 
 
-@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.kernels(level="amx")
 @pytest.mark.parametrize(
     "block_size, num_heads, num_kv_heads, head_dim", [(16, 9, 3, 64), (4, 4, 4, 128), (8, 6, 1, 64)]
 )
@@ -279,15 +276,14 @@ def test_mixed_batch_with_window_and_soft_cap(path, window, soft_cap, invariant)
 
 def test_cpu_kernel_builds_here():
     # The fused kernel is the CPU fast path; on this machine it must build, not silently fall back.
-    assert cpu_kernels() is not None
+    require_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_kernel_matches_index_copy(dtype):
     """The one-call CPU scatter of keys and values: index_copy_'s result, from rows of a fused qkv
     output (strided tokens), from non-contiguous heads, and a clear error for a slot past the cache."""
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    require_kernels()
     from pagedllm.attention import write_to_cache
 
     gen = torch.Generator().manual_seed(0)

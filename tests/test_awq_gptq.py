@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from oracle import hf_greedy
+from requirements_here import require
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.cpu_gemm import PackableLinear
@@ -34,8 +35,8 @@ from pagedllm.quantization.awq_gptq import (
 )
 from pagedllm.quantization.packed import QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = require("transformers")
+safetensors_torch = require("safetensors")
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NEW_TOKENS = 16

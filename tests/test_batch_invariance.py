@@ -79,7 +79,38 @@ def test_default_model_answers_do_not_depend_on_the_batch():
     """The embedded GGUF model (int8 activations over its packed weights), as `serve` runs it."""
     from pagedllm.models.loader import default_model_path
 
-    _check_invariance(default_model_path(), "auto", (7,))
+    _check_invariance(default_model_path(), "auto", (7, 32, 64))
+
+
+@pytest.fixture(scope="module")
+def sinks_and_latent_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny random GPT-OSS (attention sinks: the torch attention path) and DeepSeek-V3 (latent
+    attention, grouped sigmoid routing) folders."""
+    from conftest import train_tokenizer
+    from test_deepseek_v3 import save_deepseek
+    from test_gpt_oss import random_gpt_oss
+
+    gpt_oss = str(tmp_path_factory.mktemp("gpt-oss"))
+    train_tokenizer(gpt_oss)
+    random_gpt_oss().save_pretrained(gpt_oss)
+    deepseek = str(tmp_path_factory.mktemp("deepseek-v3"))
+    save_deepseek(deepseek, with_tokenizer=True)
+    return {"gpt-oss": gpt_oss, "deepseek-v3": deepseek}
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
+def test_sinks_and_latent_attention_answers_do_not_depend_on_the_batch(sinks_and_latent_models, family):
+    """Their decodes attend one sequence at a time over its own context (no padding to the batch's
+    longest) and routers multiply each row alone-equal, so a request's tokens and logprobs are the
+    same bits alone and among others of other lengths, for prompts run whole. (How a prompt is split
+    into chunks still moves their last bits: kernels/invariance.py.)"""
+    llm = _engine(sinks_and_latent_models[family], "float32", None, prefix=False)
+    vocab = llm.llm_engine.vocab_size
+    target = [random.Random(3).randrange(4, vocab) for _ in range(PROMPT_LEN)]
+    alone = _answers(llm, target, [], 0)
+    for size in (3, 8, 32):
+        others = _others(size - 1, vocab, seed=size)
+        assert _answers(llm, target, others, at=len(others) // 2) == alone, (family, size)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

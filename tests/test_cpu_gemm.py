@@ -76,7 +76,7 @@ def _panel_kernel(dtype: torch.dtype, in_features: int, kernel_level) -> str:
     return "dense_gemm_bf16_amx" if amx else "dense_gemm_bf16"
 
 
-@pytest.mark.skipif(not panels_supported(torch.float32), reason="no float32 panel kernel on this CPU")
+@pytest.mark.kernels(level="avx512")  # the float32 panel kernel
 def test_panel_kernel_rows_do_not_depend_on_their_batch() -> None:
     """A row's float32 result is one sequential sum: the same alone as in any batch."""
     torch.manual_seed(0)

@@ -9,8 +9,8 @@
    replica selector switches the map between all replicas and one, and shows a dead one as dead.
 
 Screenshots go to the test's tmp dir (printed), or to $PAGEDLLM_DASHBOARD_ARTIFACTS when set.
-Skipped, saying why, where Chromium, chromedriver or Selenium is missing
-(``scripts/install.sh test`` installs them where apt is available).
+Fails where Chromium, chromedriver or Selenium is missing (``scripts/install.sh test`` installs
+them), unless the run allows it: ``PAGEDLLM_TEST_WITHOUT=chromium`` (tests/requirements_here.py).
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import tempfile
 import time
 
 import pytest
+from requirements_here import require
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-if not CHROMIUM or not os.path.exists(CHROMEDRIVER):
-    pytest.skip("no Chromium: install Debian's chromium and chromium-driver (scripts/install.sh test does, "
-                "where apt is available)", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (requirements-test.txt)")
+CHROMIUM, CHROMEDRIVER = require("chromium")
+webdriver = require("selenium")
 
 from test_dashboard import API_KEY, gated_server_running, run_sharing_workload  # noqa: E402
 from test_dashboard_replicas import PoolsAsReplicas, forked_replica, prefix_replica, replicas_app  # noqa: E402

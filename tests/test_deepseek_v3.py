@@ -15,12 +15,13 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from oracle import hf_greedy
+from requirements_here import require
 from test_models import PagedBatch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import build_model, load_model_config
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 VOCAB = 384  # conftest's trained tokenizer
 BS = 4

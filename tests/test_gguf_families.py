@@ -9,6 +9,7 @@ import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import write_family_gguf
 from oracle import assert_not_degenerate
+from requirements_here import require
 from test_model_families import VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
 from test_models import PagedBatch, make_caches
 
@@ -16,7 +17,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.models import build_model, load_model_config, load_tokenizer
 from pagedllm.quantization.packed import QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 
 def gguf_config(arch: str):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import dequantized_copy, write_family_gguf
+from requirements_here import require
 from test_deepseek_v3 import random_deepseek
 from test_gguf_families import _logits
 from test_gpt_oss import WINDOW, random_gpt_oss
@@ -29,7 +30,7 @@ from pagedllm.models.gguf_loader import iter_gguf_weights, read_gguf
 from pagedllm.quantization.formats import MXFP4
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from oracle import hf_greedy
+from requirements_here import require
 from test_gguf_families import _logits
 from test_model_families import VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
 from test_models import PagedBatch, make_caches
@@ -33,7 +34,7 @@ from pagedllm.quantization.kernels import cpu_kernels_serve, packed_linear
 from pagedllm.quantization.mxfp4 import pack_mxfp4, quantize_mxfp4
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 PROMPT_LENS = (1, 6, 9, 21)  # inside the window of 8, just past it, well past it; blocks of 4
 NEW_TOKENS = 12

@@ -19,8 +19,7 @@ from pagedllm.quantization.apply import packed_weight_bytes
 from pagedllm.quantization.int8_tiles import Int8TiledTensor, int8_tiling_reason, tile_for_int8
 from pagedllm.quantization.quantize import quantize_int4_groups, quantize_int8_per_channel
 
-pytestmark = pytest.mark.skipif(int8_tiling_reason(torch.device("cpu")) is not None,
-                                reason="no int8 dot-product kernels on this machine")
+pytestmark = pytest.mark.kernels(level="avx2")  # the int8 dot products
 AMX_MIN_ROWS = kernel_config().int8_amx_min_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,10 +23,11 @@ import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from kernel_levels import NOT_ON_THIS_CPU
+from requirements_here import require
 
 from pagedllm.kernels import build, isa
 
-CROSS_CXX = shutil.which("aarch64-linux-gnu-g++")
 NATIVE_CXX = shutil.which("g++")
 _ATEN = "ATen/ATen.h"
 _FIRST_DIRECTIVE = re.compile(r"^\s*#.*$", re.MULTILINE)
@@ -136,14 +137,14 @@ def test_isa_offers_only_scalar_off_x86(monkeypatch: pytest.MonkeyPatch) -> None
     assert env == {"PAGEDLLM_CPU_ISA": "scalar"}  # torch's x86 capability names mean nothing there
 
 
-@pytest.mark.skipif(CROSS_CXX is None, reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
 def test_kernels_compile_for_aarch64(monkeypatch: pytest.MonkeyPatch) -> None:
+    cross_cxx = require("aarch64-cross")
     # The flags an aarch64 machine builds with: build.cflags reads the machine through isa.
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     flags = build.cflags("scalar")
     monkeypatch.undo()
     assert "-DPAGEDLLM_ISA=scalar" in flags and not any(flag.startswith("-m") for flag in flags)
-    header_errors, failures = _check_sources(CROSS_CXX, {"scalar": flags}, build.SOURCES)
+    header_errors, failures = _check_sources(cross_cxx, {"scalar": flags}, build.SOURCES)
     if header_errors:
         # The installed headers are an x86 torch's: if one of them does not parse for aarch64, this
         # check cannot judge our sources (an aarch64 torch ships its own).
@@ -160,7 +161,7 @@ def test_levels_this_cpu_lacks_still_compile() -> None:
     # the ones above its best are only ever compiled on other machines, so check them here.
     above = isa.LEVELS[isa.level_index(isa.best_level()) + 1 :]
     if not above:
-        pytest.skip("this CPU runs every level, and the kernel tests build each")
+        pytest.skip(f"{NOT_ON_THIS_CPU}: it runs every level, and the kernel tests build each")
     # A source with no instruction-set code compiles to the same declarations at every level (torch's
     # header at the level's flags is compiled on its own), and the runnable levels' builds check it:
     # bindings.cpp, the slowest (torch/extension.h, ~23 s), is one.

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 from kernel_levels import at_path, kernel_paths
-from test_attention import AMX_HERE, _make_case, case_metadata, reference_attention
+from requirements_here import require_kernels
+from test_attention import _make_case, case_metadata, reference_attention
 
 from pagedllm.attention import PagedAttention, write_to_cache
 from pagedllm.attention.kv_quant import (
@@ -240,7 +241,7 @@ def test_bfloat16_queries_over_quantized_rows(name: str) -> None:
         _check_against_reference("cpu", "mixed", name, 64, query_dtype=torch.bfloat16, seeds=range(3))
 
 
-@pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX-BF16")
+@pytest.mark.kernels(level="amx")
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_amx_prompt_attention_reads_quantized_rows(name: str) -> None:
     """The tile kernel decodes rows to bfloat16 as it packs them: equal to its own result over a
@@ -260,8 +261,7 @@ def test_amx_prompt_attention_reads_quantized_rows(name: str) -> None:
 
 
 def test_a_cache_of_another_dtype_is_refused_clearly() -> None:
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    require_kernels()
     query = torch.zeros(1, 4, 64)
     cache = torch.zeros(4, 4, 2, 64, dtype=torch.int16)
     with pytest.raises(RuntimeError, match="cannot serve"):

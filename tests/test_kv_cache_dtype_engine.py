@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_no_leaks
+from requirements_here import require_kernels
 from test_sharing import BS, _mixed_params, _random_prompts, _token_ids, run_and_watch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import cpu_kernels, use_kernel_config
+from pagedllm.kernels import use_kernel_config
 from pagedllm.models.layer_stack import LayerStack
 
 KV_DTYPES = ["int8", "fp8", "int4"]
@@ -87,8 +88,7 @@ def test_prefix_hits_read_the_cached_quantized_blocks(llama_dir, kv_cache_dtype:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_layer_loop_equals_python_layers(llama_dir, kv_cache_dtype: str, monkeypatch) -> None:
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    require_kernels()
     prompts = _random_prompts([9, 30, 17], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     runs = []
@@ -113,8 +113,7 @@ def test_cpu_kernels_equal_the_torch_path(llama_dir, kv_cache_dtype: str) -> Non
     the last float bits, which moves a few values across a rounding boundary of the quantizer (one
     step, ~1/254 of a row's range for int8), so the bar is that of a one-step difference, not of
     float rounding (the kernels themselves are held to float tolerance in test_kv_cache_dtype.py)."""
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    require_kernels()
     prompts = _random_prompts([40, 70], seed=8)
     kernels = _prompt_logprobs(LLM(model=llama_dir, num_kv_blocks=128, block_size=BS, dtype="float32",
                                    kv_cache_dtype=kv_cache_dtype), prompts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_models import write_tiny_llama_gguf
+from requirements_here import require
 from test_models import TINY, PagedBatch, make_caches
 
 from pagedllm.kernels import cpu_kernels, kernel_config, use_kernel_config
@@ -16,9 +17,9 @@ from pagedllm.models.cpu_gemm import cpu_gemm_path, panels_supported
 from pagedllm.models.layer_stack import LayerStack
 from pagedllm.quantization.int8_tiles import int8_tiling_reason
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the CPU kernels")
+pytestmark = pytest.mark.kernels
 
 
 def _build(tmp_path, config, dtype: str):

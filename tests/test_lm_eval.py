@@ -9,11 +9,12 @@ import json
 import httpx
 import pytest
 import torch
+from requirements_here import require
 from test_server import MODEL, ServerThread, build_tiny_model, engine_args, wait_idle
 
 from pagedllm.entrypoints.openai.api_server import build_app
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = require("lm_eval")
 
 DOCS = [
     {"context": "The quick brown fox", "continuation": " jumps over the lazy dog."},

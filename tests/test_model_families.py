@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
+from requirements_here import require
 from test_models import PagedBatch, make_caches
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import PagedAttention
 from pagedllm.models import build_model, load_model_config, supported_architectures
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 WINDOW = 8
 VOCAB = 384  # the size of conftest's trained tokenizer

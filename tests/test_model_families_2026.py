@@ -14,6 +14,7 @@ import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import write_family_gguf
 from oracle import hf_greedy
+from requirements_here import require
 from test_gguf_families import _logits
 from test_model_families import PROMPT_LENS, VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
 
@@ -23,7 +24,7 @@ from pagedllm.models import build_model, load_model_config
 from pagedllm.models.layer_stack import _layer_qualifies
 from pagedllm.quantization.packed import QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,

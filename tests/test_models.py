@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from requirements_here import require
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.models import build_model, load_model_config, load_tokenizer
@@ -14,7 +15,7 @@ from pagedllm.models.gguf_loader import gguf_name_to_hf, iter_gguf_weights, read
 from pagedllm.quantization.apply import packed_weight_bytes
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32

@@ -16,6 +16,7 @@ import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import dequantized_copy, write_family_gguf
 from oracle import assert_not_degenerate
+from requirements_here import require
 from test_gguf_families import _logits
 from test_model_families import VOCAB, hf_prompt_and_step, random_hf_model
 
@@ -27,7 +28,7 @@ from pagedllm.models.moe import GatedMLP, SparseMoE
 from pagedllm.quantization.formats import GGUF_PACKED_TYPES
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 PROMPT_LENS = (1, 6, 13, 21)
 NEW_TOKENS = 16

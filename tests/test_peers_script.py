@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from requirements_here import require
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -52,7 +53,7 @@ def test_tiny_tokenizer_sentencepiece_and_json_agree(peers, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     assert len(tok) == 600 and len(set(tok.get_vocab())) == 600
     assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<unk>", "<s>", "</s>", "<0x00>"]
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece")
     processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     assert processor.get_piece_size() == 600
     assert [processor.id_to_piece(i) for i in range(600)] == tok.convert_ids_to_tokens(list(range(600)))

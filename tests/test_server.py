@@ -48,7 +48,8 @@ CORPUS = [
 ]
 
 
-def build_tiny_model(path: str) -> None:
+def build_tiny_model(path: str, extra_tokens: tuple[str, ...] = ()) -> None:
+    """``extra_tokens``: added (not special) tokens, one id each (a format's markers, such as <tool_call>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -65,6 +66,7 @@ def build_tiny_model(path: str) -> None:
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
+    tokenizer.add_tokens(list(extra_tokens))
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)

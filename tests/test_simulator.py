@@ -159,7 +159,8 @@ def test_simulate_cli(tmp_path, capsys) -> None:
 
 
 def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     from pagedllm.attention import kv_quant
     from pagedllm.simulator.model_shapes import kv_row_bytes
 

@@ -227,8 +227,35 @@ def test_speculative_config_errors() -> None:
         SpeculativeConfig.parse({"method": "ngram", "bogus": 1})
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.parse("{method")
-    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 64\], got 0"):
         SpeculativeConfig.parse({"num_speculative_tokens": 0})
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"num_speculative_tokens": "3"}, r"num_speculative_tokens must be int, got '3' \(str\)"),
+    ({"num_speculative_tokens": True}, r"num_speculative_tokens must be int, got True \(bool\)"),
+    ({"num_speculative_tokens": 3.0}, r"num_speculative_tokens must be int, got 3.0"),
+    ({"num_speculative_tokens": 10**6}, r"num_speculative_tokens must be in \[1, 64\], got 1000000"),
+    ({"prompt_lookup_max": "4"}, r"prompt_lookup_max must be int, got '4'"),
+    ({"disable_by_batch_size": "8"}, r"disable_by_batch_size must be int or null"),
+    ({"min_request_acceptance": "0.5"}, r"min_request_acceptance must be float"),
+    ({"method": 1}, r"method must be str, got 1"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, r"suffix_decoding_max_tree_depth must be >= 1"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, r"suffix_decoding_min_token_prob must be in \[0, 1\]"),
+    ({"method": "draft_model", "model": "/no/such/draft"}, r"model: the draft model path '/no/such/draft' does not"),
+    ({"model": 7}, r"model must be str or null, got 7"),
+])
+def test_speculative_config_values_are_refused_by_field(value, message) -> None:
+    with pytest.raises(ValueError, match="speculative_config " + message):
+        SpeculativeConfig.parse(value)
+
+
+def test_speculative_config_keeps_what_json_gives() -> None:
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 64}).num_speculative_tokens == 64
+    # JSON's 0 is an int: a float field takes it as 0.0.
+    assert SpeculativeConfig.parse({"min_request_acceptance": 0}).min_request_acceptance == 0.0
+    # A hub id is fetched when the engine starts, so it is not checked here.
+    assert SpeculativeConfig.parse({"model": "org/draft"}).model == "org/draft"
 
 
 def test_metrics_carry_the_spec_decode_counters(tiny_model_factory) -> None:

@@ -10,9 +10,12 @@ samples sharing blocks, and no block leaks.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from conftest import assert_no_leaks
+from requirements_here import require
 from test_spec_decode import SETTINGS, repeating_prompts, run, spec_stats
 
 from pagedllm import LLM, SamplingParams
@@ -100,3 +103,29 @@ def test_draft_model_errors(tiny_model_factory) -> None:
     # The embedded default model has another vocabulary than the tiny test models.
     with pytest.raises(ValueError, match="another tokenizer"):
         LLM(model=model, speculative_config=draft_config(default_model_path()), **SETTINGS)
+
+
+def test_serve_with_a_missing_draft_exits_with_the_message(tiny_model_factory) -> None:
+    """The server binds its port before the model loads: a draft that cannot load must still end the
+    process, non-zero, with the reason on stderr."""
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_model_factory("llama"), "--port", "0",
+               "--device", "cpu", "--speculative-config", '{"method": "draft_model", "model": "/no/such/draft"}']
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "the draft model path '/no/such/draft' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_replicas_refuse_a_foreign_draft_before_ray_starts(tiny_model_factory) -> None:
+    """Data-parallel replicas start engines in Ray actors; a draft that cannot work there is named by
+    the front end (a ValueError the server reports) instead of dying inside an actor."""
+    ray = require("ray")
+    from pagedllm.config import EngineArgs
+    from pagedllm.distributed.data_parallel import DataParallelConfig
+    from pagedllm.distributed.replica_launch import start_replicas
+
+    args = EngineArgs(model=tiny_model_factory("llama"), speculative_config=draft_config(default_model_path()),
+                      **SETTINGS)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        start_replicas(args, DataParallelConfig(data_parallel_size=2))
+    assert not ray.is_initialized()

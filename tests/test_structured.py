@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import assert_no_leaks
+from requirements_here import require_kernels
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
@@ -184,11 +185,9 @@ def test_masked_greedy_kernel_equals_masking_then_argmax():
     """Greedy choice under bitmasks without masking: the argmax (first of ties) and log_softmax of the masked
     logits, on random words, runs of full words, zero words, a tie whose first maximum is forbidden, a
     vocabulary ending inside a word, an unconstrained row; a row allowing nothing gets token -1."""
-    from pagedllm.kernels import cpu_kernels
     from pagedllm.structured.bitmask import apply_token_bitmask, greedy_pick_masked
 
-    if cpu_kernels() is None:
-        pytest.skip("CPU kernels not built here")
+    require_kernels()
     vocab = 1000  # 31.25 words
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, vocab, generator=gen) * 4

@@ -9,12 +9,12 @@ from gguf_models import write_tiny_llama_gguf
 from test_layer_stack import MIXED, _build, _step_logits
 from test_models import TINY
 
-from pagedllm.kernels import cpu_kernels, use_kernel_config
+from pagedllm.kernels import use_kernel_config
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.cpu_gemm import panels_supported
 from pagedllm.models.weight_arena import _weight_slots
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the CPU kernels")
+pytestmark = pytest.mark.kernels
 
 
 def _storages(model) -> set[int]:

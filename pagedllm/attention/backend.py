@@ -31,7 +31,10 @@ table entries point at block 0: such positions are never read by the kernels and
 in the torch paths. Attention soft-capping (Gemma 2) squashes the scores with cap * tanh(s / cap)
 before the softmax. Attention sinks (GPT-OSS) add a learned logit per head to every softmax's
 denominator, a key that is always seen and contributes no value; a layer with sinks attends through
-the torch path, whatever the device: the C++ kernels do not take sinks yet.
+the torch path, whatever the device: the C++ kernels do not take sinks yet. Under batch invariance
+the torch path's decodes on a CPU attend one sequence at a time over its own context (not padded
+to the batch's longest), so they do not depend on the batch; its prompt chunks attend a chunk at
+once (kernels/invariance.py).
 """
 
 from __future__ import annotations
@@ -493,6 +496,17 @@ class PagedAttention(nn.Module):
             )
             if out is not None:
                 return out
+        if meta.num_seqs > 1 and query.device.type == "cpu" and batch_invariant():
+            # Each sequence over its own context, unpadded: a row's softmax and value sums then run
+            # over the same length in the same order whatever else is in the step.
+            return torch.cat([self._decode_torch(query[i:i + 1], kv_cache, meta.sub_batch((i,)))
+                              for i in range(meta.num_seqs)])
+        return self._decode_torch(query, kv_cache, meta)
+
+    def _decode_torch(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``_decode`` in torch: the batch's contexts gathered, padded to the longest and masked."""
         length = meta.max_context_len
         k = gather_from_cache(kv_cache[0], meta.block_tables, length, self.head_dim, query.dtype).transpose(1, 2)
         v = gather_from_cache(kv_cache[1], meta.block_tables, length, self.head_dim, query.dtype).transpose(1, 2)

@@ -14,9 +14,10 @@ the head's value space. Prompt chunks, whose many queries would each pay that pe
 the whole context, expand their context's rows into K and V once and run torch's SDPA, causal
 within the chunk. Both read the step's own rows from the cache, which is written first.
 
-Only a float cache in the model dtype is supported (kv_spec.py refuses a quantized one), and batch
-invariance (kernels/invariance.py) does not cover this path: how a row's context is reduced
-follows the batch (padded to its longest context) and whether the row is a decode or in a chunk.
+Only a float cache in the model dtype is supported (kv_spec.py refuses a quantized one). Under
+batch invariance (kernels/invariance.py) on a CPU, decodes attend one sequence at a time over its
+own context, so a decode's result does not follow the batch; a prompt chunk's still follows how the
+prompt was split (a row in a chunk is reduced with the chunk's other rows).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.kernels.invariance import batch_invariant
 
 
 def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -92,6 +94,17 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor,
                          cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence over its cached latent rows -> [B, H, v], never expanding them."""
+        if meta.num_seqs > 1 and q_nope.device.type == "cpu" and batch_invariant():
+            # Each sequence alone, over its own context unpadded: every product and reduction of a row
+            # then has the same shapes, so the same order, whatever else is in the step.
+            return torch.cat([self._absorbed_decode_batch(q_nope[i:i + 1], q_pe[i:i + 1], kv_b_weight, cache,
+                                                          meta.sub_batch((i,)))
+                              for i in range(meta.num_seqs)])
+        return self._absorbed_decode_batch(q_nope, q_pe, kv_b_weight, cache, meta)
+
+    def _absorbed_decode_batch(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor,
+                               cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``_absorbed_decode`` of the whole batch at once, contexts padded to the longest."""
         w_uk, w_uv = self._split_kv_b(kv_b_weight)
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [B, H, rank + rope]: scores against the whole row

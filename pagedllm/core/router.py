@@ -25,6 +25,12 @@ Policies (``make_router``):
   extra requests on top of 100 barely change the wait). The rule is sgl-router's cache-aware
   one; 8 is small against the tens of requests a replica batches at the paper's rates
   (Figure 13), so a hot prefix costs its replica a little queueing, not a backlog.
+
+  A request's ``cache_key`` (OpenAI's ``prompt_cache_key``: the client's word that requests share
+  a prefix) comes first: a key routed before goes back to the replica it went to (reason
+  ``cache_key``), unless that replica is down or overloaded by the same rule, and only then do the
+  block hashes decide. The key moves with the request when the load check sends it elsewhere. The
+  router keeps the ``max_cache_keys`` most recently used keys (default 65536).
 - ``round_robin``: live replicas in turn, ignoring load and content.
 - ``least_loaded``: the fewest requests in flight, ties round robin.
 
@@ -46,11 +52,12 @@ ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")
 
 
 class Router(Protocol):
-    def choose(self, token_ids: list[int], loads: dict[int, int]) -> int:
-        """A replica id from ``loads`` (live replica id -> requests in flight: waiting + running)."""
+    def choose(self, token_ids: list[int], loads: dict[int, int], cache_key: str | None = None) -> int:
+        """A replica id from ``loads`` (live replica id -> requests in flight: waiting + running);
+        ``cache_key``: the request's prompt_cache_key, if it has one."""
         ...
 
-    def record(self, replica: int, token_ids: list[int]) -> None:
+    def record(self, replica: int, token_ids: list[int], cache_key: str | None = None) -> None:
         """The request was sent to ``replica`` (its blocks will be cached there)."""
         ...
 
@@ -99,7 +106,7 @@ class _BaseRouter:
         if not loads:
             raise ValueError("no live replica to route to")
 
-    def record(self, replica: int, token_ids: list[int]) -> None:
+    def record(self, replica: int, token_ids: list[int], cache_key: str | None = None) -> None:
         self.requests[replica] += 1
 
     def remove_replica(self, replica: int) -> None:
@@ -117,7 +124,7 @@ class _BaseRouter:
 class RoundRobinRouter(_BaseRouter):
     policy = "round_robin"
 
-    def choose(self, token_ids: list[int], loads: dict[int, int]) -> int:
+    def choose(self, token_ids: list[int], loads: dict[int, int], cache_key: str | None = None) -> int:
         self._check(loads)
         self.decisions["round_robin"] += 1
         return self._round_robin(list(loads))
@@ -126,7 +133,7 @@ class RoundRobinRouter(_BaseRouter):
 class LeastLoadedRouter(_BaseRouter):
     policy = "least_loaded"
 
-    def choose(self, token_ids: list[int], loads: dict[int, int]) -> int:
+    def choose(self, token_ids: list[int], loads: dict[int, int], cache_key: str | None = None) -> int:
         self._check(loads)
         self.decisions["least_loaded"] += 1
         return self._least_loaded(loads)
@@ -138,10 +145,10 @@ class PrefixRouter(_BaseRouter):
     policy = "prefix"
 
     def __init__(self, block_size: int, max_blocks_per_replica: int = 65536, balance_abs_threshold: int = 8,
-                 balance_rel_threshold: float = 1.5) -> None:
+                 balance_rel_threshold: float = 1.5, max_cache_keys: int = 65536) -> None:
         super().__init__()
-        if block_size < 1 or max_blocks_per_replica < 1:
-            raise ValueError("block_size and max_blocks_per_replica must be >= 1")
+        if block_size < 1 or max_blocks_per_replica < 1 or max_cache_keys < 1:
+            raise ValueError("block_size, max_blocks_per_replica and max_cache_keys must be >= 1")
         self.block_size = block_size
         self.max_blocks_per_replica = max_blocks_per_replica
         self.balance_abs_threshold = balance_abs_threshold
@@ -149,6 +156,9 @@ class PrefixRouter(_BaseRouter):
         # replica -> its recently routed block hashes, least recently used first.
         self._index: dict[int, OrderedDict[int, None]] = {}
         self.prefix_hit_blocks: Counter[int] = Counter()
+        # prompt_cache_key -> the replica its last request went to, least recently used first.
+        self._cache_keys: OrderedDict[str, int] = OrderedDict()
+        self.max_cache_keys = max_cache_keys
         # choose() and record() usually see the same prompt back to back: hash it once.
         self._last_tokens: list[int] | None = None
         self._last_hashes: list[int] = []
@@ -170,8 +180,20 @@ class PrefixRouter(_BaseRouter):
             matched += 1
         return matched
 
-    def choose(self, token_ids: list[int], loads: dict[int, int]) -> int:
+    def _overloaded(self, replica: int, loads: dict[int, int]) -> bool:
+        lowest = min(loads.values())
+        load = loads[replica]
+        return load - lowest > self.balance_abs_threshold and load > self.balance_rel_threshold * lowest
+
+    def choose(self, token_ids: list[int], loads: dict[int, int], cache_key: str | None = None) -> int:
         self._check(loads)
+        keyed = self._cache_keys.get(cache_key) if cache_key is not None else None
+        if keyed is not None and keyed in loads:
+            if self._overloaded(keyed, loads):
+                self.decisions["overloaded"] += 1
+                return self._least_loaded(loads)
+            self.decisions["cache_key"] += 1
+            return keyed
         hashes = self._hashes(token_ids)
         matched = {replica: self._matched_blocks(replica, hashes) for replica in loads}
         longest = max(matched.values())
@@ -180,16 +202,19 @@ class PrefixRouter(_BaseRouter):
             return self._least_loaded(loads)
         holders = {r: loads[r] for r, m in matched.items() if m == longest}
         candidate = self._least_loaded(holders) if len(holders) > 1 else next(iter(holders))
-        lowest = min(loads.values())
-        load = loads[candidate]
-        if load - lowest > self.balance_abs_threshold and load > self.balance_rel_threshold * lowest:
+        if self._overloaded(candidate, loads):
             self.decisions["overloaded"] += 1
             return self._least_loaded(loads)
         self.decisions["prefix_hit"] += 1
         return candidate
 
-    def record(self, replica: int, token_ids: list[int]) -> None:
+    def record(self, replica: int, token_ids: list[int], cache_key: str | None = None) -> None:
         super().record(replica, token_ids)
+        if cache_key is not None:
+            self._cache_keys[cache_key] = replica
+            self._cache_keys.move_to_end(cache_key)
+            while len(self._cache_keys) > self.max_cache_keys:
+                self._cache_keys.popitem(last=False)
         hashes = self._hashes(token_ids)
         self.prefix_hit_blocks[replica] += self._matched_blocks(replica, hashes)
         index = self._index.setdefault(replica, OrderedDict())
@@ -202,17 +227,21 @@ class PrefixRouter(_BaseRouter):
 
     def remove_replica(self, replica: int) -> None:
         self._index.pop(replica, None)
+        for key in [key for key, holder in self._cache_keys.items() if holder == replica]:
+            del self._cache_keys[key]
 
     def stats(self) -> dict:
         stats = super().stats()
         stats["prefix_hit_blocks"] = dict(sorted(self.prefix_hit_blocks.items()))
         stats["indexed_blocks"] = {r: len(index) for r, index in sorted(self._index.items())}
+        stats["cache_keys"] = len(self._cache_keys)
         return stats
 
 
 def make_router(policy: str = "prefix", block_size: int = 16, **options) -> Router:
     """``prefix`` (default; options: max_blocks_per_replica, balance_abs_threshold,
-    balance_rel_threshold), ``round_robin`` or ``least_loaded``."""
+    balance_rel_threshold, max_cache_keys), ``round_robin`` or ``least_loaded`` (these two ignore
+    the cache key as they ignore the prompt)."""
     if policy == "prefix":
         return PrefixRouter(block_size, **options)
     if options:

@@ -76,6 +76,7 @@ class _Request:
     # nothing, so the request may run again from the start however far it had got.
     buffered: bool = False
     tried: set[int] = field(default_factory=set)
+    cache_key: str | None = None  # the request's prompt_cache_key: the router keeps a key on one replica
 
 
 class _ReplicaGone(Exception):
@@ -238,14 +239,19 @@ class ReplicatedEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        prompt_cache_key: str | None = None,
     ) -> None:
-        """Queue one request on the replica the router picks; a refused prompt raises ValueError."""
+        """Queue one request on the replica the router picks; a refused prompt raises ValueError.
+
+        ``prompt_cache_key``: requests with the same key go to the same replica while it is live and
+        not overloaded (the router's affinity), sharing its prefix cache."""
         self.check_alive()
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         arrival_time = time.time() if arrival_time is None else arrival_time
         token_ids = await self._routing_token_ids(prompt)
-        request = _Request(request_id, prompt, params, arrival_time, priority, token_ids, RequestTiming(arrival_time))
+        request = _Request(request_id, prompt, params, arrival_time, priority, token_ids, RequestTiming(arrival_time),
+                           cache_key=prompt_cache_key)
         self._requests[request_id] = request
         if not self.is_running:
             self.start()
@@ -266,7 +272,7 @@ class ReplicatedEngine:
                     f"No engine replica could take request {request.request_id} (tried {sorted(request.tried)}; "
                     f"{len(self.live_replicas())} of {self.num_replicas} live); retry shortly."
                 )
-            replica = self.router.choose(request.token_ids, loads)
+            replica = self.router.choose(request.token_ids, loads, cache_key=request.cache_key)
             request.replica = replica
             request.tried.add(replica)
             request.interrupt = asyncio.get_running_loop().create_future()
@@ -284,7 +290,7 @@ class ReplicatedEngine:
                 self._replica_down(replica, str(exc))
                 continue
             if isinstance(event, ReplicaEvent) and event.kind == "accepted":
-                self.router.record(replica, request.token_ids)
+                self.router.record(replica, request.token_ids, cache_key=request.cache_key)
                 return
             if isinstance(event, ReplicaEvent) and event.kind == "refused":
                 raise PromptRefusedError(event.message, event.param)

@@ -1,8 +1,9 @@
 """Starting data-parallel replicas: join Ray, start the actors, wait for their engines.
 
 The front end needs the tokenizer and the configs but no weights: the model's config and the
-tokenizer load here (a wrong path fails before any actor starts), the scheduler and cache configs
-and the pool's size come from the replicas themselves (their engines computed them).
+tokenizer load here, and a draft model's (a wrong path or draft fails before any actor starts); the
+scheduler and cache configs and the pool's size come from the replicas themselves (their engines
+computed them).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, SpeculativeConfig
 from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
 from pagedllm.distributed.ray_replicas import launch_replicas
 
@@ -42,6 +43,7 @@ def start_replicas(
     import ray
 
     from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
+    from pagedllm.spec_decode.draft_model import load_draft_model_config
     from pagedllm.structured import StructuredOutputManager
     from pagedllm.worker.worker import resolve_device
 
@@ -52,6 +54,10 @@ def start_replicas(
     if engine_args.tokenizer:
         model_config.tokenizer_path = resolve_tokenizer_path(engine_args.tokenizer, engine_args.download_dir)
     tokenizer = load_tokenizer(model_config)
+    speculative = engine_args.speculative_config
+    if isinstance(speculative, SpeculativeConfig) and speculative.method == "draft_model":
+        # A draft that cannot work (its context, its tokenizer) is named here, not as a replica actor's death.
+        load_draft_model_config(speculative.model, model_config, tokenizer, engine_args.download_dir)
     owns_ray = not ray.is_initialized()
     if owns_ray:
         try:

@@ -238,11 +238,14 @@ class AsyncLLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        prompt_cache_key: str | None = None,
     ) -> None:
         """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it.
 
         ``params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then yields
-        one PoolingRequestOutput, when the prompt is done)."""
+        one PoolingRequestOutput, when the prompt is done). ``prompt_cache_key`` routes requests
+        among data-parallel replicas (ReplicatedEngine); one engine caches prefixes by their content
+        alone, so here it changes nothing."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")

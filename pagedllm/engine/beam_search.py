@@ -39,6 +39,7 @@ import torch
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.stop_checker import check_stop
+from pagedllm.sampling.logprob_rank import ranked_entry, vocab_ranks
 from pagedllm.sampling.penalties import apply_presence_frequency_penalties, apply_repetition_penalty, token_counts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -178,11 +179,17 @@ class BeamSearcher:
         chosen = [(seq, cand, False) for seq, cand in survivors] + [(seq, cand, True) for seq, cand in new_hypotheses]
         token_logprobs = self._token_logprobs(raw_logprobs, [(cand.parent, cand.token_id) for _, cand, _ in chosen])
         top = self._top_logprobs(raw_logprobs, params)
-        for (seq, cand, is_hypothesis), logprob in zip(chosen, token_logprobs):
+        ranks: list[int] = []
+        if top is not None and chosen:
+            device = raw_logprobs.device
+            parents = torch.tensor([cand.parent for _, cand, _ in chosen], device=device)
+            ranks = vocab_ranks(raw_logprobs.index_select(0, parents),
+                                torch.tensor([cand.token_id for _, cand, _ in chosen], device=device))
+        for index, ((seq, cand, is_hypothesis), logprob) in enumerate(zip(chosen, token_logprobs)):
             entry = None
             if top is not None:
-                entry = {cand.token_id: logprob}
-                entry.update((t, v) for t, v in top[cand.parent] if t not in entry)
+                top_ids, top_values = zip(*top[cand.parent]) if top[cand.parent] else ((), ())
+                entry = ranked_entry(cand.token_id, logprob, ranks[index], list(top_ids), list(top_values))
             seq.append_token(cand.token_id, logprob, entry)
             # The search ranks by its own (processed, float32) sum; report that one.
             seq.cumulative_logprob = cand.score

@@ -56,6 +56,21 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# A priority is a sort key: the int64 range (what a priority is elsewhere, Ray's messages and vLLM's
+# clients among them) is far more than any scheme of levels needs.
+MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1
+
+
+def check_priority(priority: Any) -> None:
+    """Refuse a priority that is no integer (a bool is none) or lies outside the int64 range."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequestError(
+            f"priority must be an integer in [-2**63, 2**63 - 1], got {str(priority)[:40]}.", "priority"
+        )
+
+
 def unencodable_char(text: str) -> int | None:
     """Index of the first character UTF-8 cannot encode (a lone UTF-16 surrogate), or None."""
     if text.isascii():

@@ -21,7 +21,7 @@ from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfi
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
 from pagedllm.detokenizer import detokenize_incrementally
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
-from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_request, parse_prompt
+from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_priority, check_request, parse_prompt
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.kernels.report import kernel_summary
 from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
@@ -250,8 +250,7 @@ class LLMEngine:
             token_ids, params, self.model_config.max_model_len, self.pool_blocks, self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
         )
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
+        check_priority(priority)
         seq = Sequence(self.scheduler.next_seq_id(), token_ids, self.cache_config.block_size)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs.new_matcher(params.structured_outputs)
@@ -282,8 +281,7 @@ class LLMEngine:
             params.verify(self.model_config.hf_config, str(self.model_config.model))
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "dimensions") from None
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}.", "priority")
+        check_priority(priority)
         seq = Sequence(self.scheduler.next_seq_id(), token_ids, self.cache_config.block_size)
         # One sequence, no sampling: the scheduler reads these settings as a single-sequence request's.
         return SequenceGroup(request_id, [seq], SamplingParams(max_tokens=1), arrival_time, prompt=text,

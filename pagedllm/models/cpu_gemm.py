@@ -117,6 +117,23 @@ def dense(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch
     return F.linear(x, weight, bias)
 
 
+def row_invariant_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``F.linear(x, layer.weight, layer.bias)`` for a float layer kept out of packing and quantizing
+    (a MoE router, whose choices must not move). Under batch invariance on a CPU whose panel kernel
+    takes the dtype, through a panel copy of the weight made on first use: MKL's product of a row
+    depends on the rows around it (a router row alone and among 3 others differed in the last bit,
+    which moved the expert weights and so the whole token)."""
+    weight = layer.weight.to(x.dtype)  # a router computing in float32 over another dtype's weight
+    bias = getattr(layer, "bias", None)
+    bias = None if bias is None else bias.to(x.dtype)
+    if x.device.type == "cpu" and batch_invariant() and panels_supported(x.dtype):
+        panels = getattr(layer, "_row_invariant_panels", None)
+        if panels is None or panels.data.dtype != x.dtype:
+            panels = layer._row_invariant_panels = PanelWeight(weight)
+        return panels.linear(x.contiguous(), bias)
+    return F.linear(x, weight, bias)
+
+
 def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:
     """"panels", "onednn", or None (F.linear) for weights of this dtype on this device."""
     choice = kernel_config().gemm

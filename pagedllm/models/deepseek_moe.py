@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.cpu_gemm import GatedPanelWeight
+from pagedllm.models.cpu_gemm import GatedPanelWeight, row_invariant_linear
 from pagedllm.models.layers import ActAndMul
 from pagedllm.models.moe import run_routed_experts
 from pagedllm.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
@@ -60,7 +60,11 @@ class GroupedTopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> (weights [T, k] float32, chosen experts [T, k])."""
-        scores = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        # The sigmoid in float64, rounded to float32: torch takes a tensor's last elements (past its
+        # whole vectors) through scalar exp, whose last bit differs from the vector one, so in float32
+        # a row's scores would follow how many rows share the step; float64's differences vanish in
+        # the rounding.
+        scores = row_invariant_linear(x.float(), self).double().sigmoid().float()
         biased = scores + self.e_score_correction_bias
         per_group = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
         group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)

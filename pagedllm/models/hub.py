@@ -15,9 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# ORG/NAME with huggingface_hub's allowed characters, then llama.cpp's optional ":QUANT".
-_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
-_HUB_ID = re.compile(rf"(?P<repo>{_NAME}/{_NAME})(?::(?P<quant>[A-Za-z0-9_.-]+))?")
+from pagedllm.model_reference import HUB_ID, is_hub_id  # noqa: F401 - is_hub_id stays importable from here
+
 _CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
@@ -30,15 +29,9 @@ _SENTENCE_TRANSFORMERS = re.compile(r"modules\.json|\d+_Pooling/config\.json")
 _GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
-def is_hub_id(reference: str) -> bool:
-    """``ORG/NAME`` or ``ORG/NAME:QUANT`` (not ``..`` or ``--``, which the hub refuses)."""
-    match = _HUB_ID.fullmatch(reference)
-    return match is not None and ".." not in match["repo"] and "--" not in match["repo"]
-
-
 def split_hub_id(reference: str) -> tuple[str, str | None]:
     """(repo id, quant or None) of ``ORG/NAME[:QUANT]``."""
-    match = _HUB_ID.fullmatch(reference)
+    match = HUB_ID.fullmatch(reference)
     if match is None:
         raise ValueError(f"{reference!r} is not a hub id (ORG/NAME or ORG/NAME:QUANT).")
     return match["repo"], match["quant"]

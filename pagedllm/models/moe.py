@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce
-from pagedllm.models.cpu_gemm import GatedPanelWeight, dense
+from pagedllm.models.cpu_gemm import GatedPanelWeight, dense, row_invariant_linear
 from pagedllm.models.families import DecoderSettings
 from pagedllm.models.layers import ActAndMul
 from pagedllm.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
@@ -131,7 +131,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(s.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x).float()
+        logits = row_invariant_linear(x, self.gate).float()
         if self.routing == "topk_softmax":
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
@@ -141,7 +141,7 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         out = run_routed_experts(x, weights, chosen, self.experts, lambda expert, rows: expert.partial(rows))
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+            out += torch.sigmoid(row_invariant_linear(x, self.shared_expert_gate)) * self.shared_expert.partial(x)
         tp_state = self.experts[0].down_proj.tp_state
         return out if tp_state.world_size == 1 else all_reduce(out, tp_state)
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from pagedllm.sampling.logprob_rank import ranked_entry, vocab_ranks
+
 CHUNK_ROWS = 256
 
 
@@ -31,7 +33,8 @@ def prompt_logprobs(
     vocab_size: int,
 ) -> list[dict[int, float]]:
     """Per target token (the one each row, from ``hidden_start``, predicts): {the token: its logprob}
-    plus the ``top_k`` most likely tokens."""
+    plus the ``top_k`` most likely tokens, each value a RankedLogprob (the target's rank is in the
+    whole vocabulary, whether or not it is among the top)."""
     result: list[dict[int, float]] = []
     for rows in prompt_row_chunks(hidden_start, len(targets)):
         index = torch.arange(rows.start, rows.stop, device=hidden.device)
@@ -39,14 +42,12 @@ def prompt_logprobs(
         first = rows.start - hidden_start
         chunk_targets = torch.tensor(targets[first : first + len(rows)], device=logprobs.device)
         chosen = logprobs.gather(1, chunk_targets.unsqueeze(1)).squeeze(1).tolist()
+        ranks = vocab_ranks(logprobs, chunk_targets)
         top_ids: list[list[int]] = [[] for _ in rows]
         top_values: list[list[float]] = [[] for _ in rows]
         if top_k > 0:
             values, ids = logprobs.topk(min(top_k, logprobs.shape[1]), dim=-1)
             top_ids, top_values = ids.tolist(), values.tolist()
-        for target, value, ids_row, values_row in zip(chunk_targets.tolist(), chosen, top_ids, top_values):
-            entry = {target: value}
-            for token_id, top_value in zip(ids_row, values_row):
-                entry.setdefault(token_id, top_value)
-            result.append(entry)
+        for target, value, rank, ids_row, values_row in zip(chunk_targets.tolist(), chosen, ranks, top_ids, top_values):
+            result.append(ranked_entry(target, value, rank, ids_row, values_row))
     return result

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pagedllm.kernels.attention import greedy_pick
+from pagedllm.sampling.logprob_rank import ranked_entry, vocab_ranks
 from pagedllm.sampling.penalties import (
     apply_min_p,
     apply_min_tokens,
@@ -308,16 +309,14 @@ class Sampler:
         if max_k > 0:
             values, ids = raw_logprobs.topk(min(max_k, raw_logprobs.shape[1]), dim=-1)
             top_values, top_ids = values.tolist(), ids.tolist()
+        ranks = vocab_ranks(raw_logprobs, torch.tensor(token_ids, device=raw_logprobs.device))
         result: list[dict[int, float] | None] = []
         for i, k in enumerate(wanted):
             if k is None:
                 result.append(None)
                 continue
-            entry = {token_ids[i]: chosen_logprobs[i]}
-            if k > 0:
-                for token_id, value in zip(top_ids[i][:k], top_values[i][:k], strict=True):
-                    entry.setdefault(token_id, value)
-            result.append(entry)
+            ids_row, values_row = (top_ids[i][:k], top_values[i][:k]) if k > 0 else ([], [])
+            result.append(ranked_entry(token_ids[i], chosen_logprobs[i], ranks[i], ids_row, values_row))
         return result
 
 

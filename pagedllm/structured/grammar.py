@@ -111,7 +111,7 @@ class GrammarCompiler:
         kind, text, compact = key
         compiler = self._compiler
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice list",
-                "json_object": "JSON grammar"}[kind]
+                "json_object": "JSON grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "json":
                 return compiler.compile_json_schema(text, any_whitespace=not compact, strict_mode=True)
@@ -121,6 +121,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(text)))
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(text)
             return compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(

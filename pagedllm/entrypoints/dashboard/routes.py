@@ -49,7 +49,9 @@ class DashboardKeyMiddleware:
             keys = parse_qs(scope["query_string"].decode("latin-1")).get("key")
             headers = scope.get("headers", [])
             if keys and not any(name == b"authorization" for name, _ in headers):
-                scope = dict(scope, headers=[*headers, (b"authorization", f"Bearer {keys[0]}".encode("latin-1"))])
+                # UTF-8, as the guard encodes the server's key: any key text (even one a bad %-escape made) encodes,
+                # and a wrong one is then the guard's 401.
+                scope = dict(scope, headers=[*headers, (b"authorization", f"Bearer {keys[0]}".encode())])
         await self.app(scope, receive, send)
 
 

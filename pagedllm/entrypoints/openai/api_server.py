@@ -30,6 +30,7 @@ from pagedllm.entrypoints.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.defaults import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RESPONSES_STORE_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
     DEFAULT_TIMEOUT_BODY,
 )
@@ -45,6 +46,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.template_sandbox import DEFAULT_MAX_CHARS as DEFAULT_TEMPLATE_MAX_CHARS
+from pagedllm.entrypoints.template_sandbox import TemplateLimits
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -99,6 +102,8 @@ def build_app(
     data_parallel: DataParallelConfig | None = None,
     reasoning_parser: str | None = None,
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
+    trust_request_chat_template: bool = False,
+    responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving one engine (built here from engine_args, on the engine's own thread,
     unless ``engine`` is given).
@@ -109,7 +114,9 @@ def build_app(
     ``chat_template``: a file or the template text, used instead of the tokenizer's.
     ``data_parallel``: engine replicas on Ray behind this app (distributed/replica_frontend.py)
     instead of one engine here, when it asks for them.
-    ``responses_store_size``: how many stored /v1/responses are kept in memory (an LRU).
+    ``responses_store_size``, ``responses_store_max_bytes``: how many stored /v1/responses are kept in
+    memory (an LRU), and how large they may be in all.
+    ``trust_request_chat_template``: render a request's own chat_template (else it is a 400).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
@@ -118,7 +125,8 @@ def build_app(
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {reasoning_parser!r}.")
     template = load_chat_template(chat_template)
-    response_store = ResponseStore(responses_store_size)  # before the engine: a bad size fails fast
+    # Before the engine: a bad size fails fast.
+    response_store = ResponseStore(responses_store_size, responses_store_max_bytes)
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
@@ -153,6 +161,7 @@ def build_app(
         tokenizer=server_tokenizer(engine.tokenizer),
         max_prompts_per_request=max_prompts_per_request,
         structured=getattr(engine, "structured_outputs", None),
+        hf_config=model_config.hf_config,
     )
 
     @contextlib.asynccontextmanager
@@ -176,6 +185,9 @@ def build_app(
     app.state.serving_chat = OpenAIServingChat(
         ctx, template, response_role, parser, enable_auto_tool_choice,
         reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None,
+        trust_request_chat_template=trust_request_chat_template,
+        # A rendered prompt may hold the whole body a few times over; a larger --max-request-bytes allows more.
+        template_limits=TemplateLimits(max_chars=max(DEFAULT_TEMPLATE_MAX_CHARS, 4 * max_request_bytes)),
     )
     app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat, response_store)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
@@ -291,6 +303,8 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
             data_parallel=settings.data_parallel,
             reasoning_parser=settings.reasoning_parser,
             responses_store_size=settings.responses_store_size,
+            trust_request_chat_template=settings.trust_request_chat_template,
+            responses_store_max_bytes=settings.responses_store_max_bytes,
         )
     except ValueError as exc:  # a setting that cannot work: say which, exit 2 as argparse does
         logger.error("%s", exc)

@@ -2,7 +2,10 @@
 
 - ``none``: plain text (the template still sees the tools, as vLLM does);
 - ``auto``: free text; the server's ``--tool-call-parser`` reads tool calls out of it in the model's
-  own format (needs ``--enable-auto-tool-choice``);
+  own format (needs ``--enable-auto-tool-choice``). With a ``strict: true`` tool, every call the
+  model opens is constrained to its tool's schema (an xgrammar structural tag triggered by the
+  format's call marker: hermes' ``<tool_call>``); a format without such a marker refuses strict
+  tools under ``auto`` with a 400;
 - ``required``: the reply is constrained (structured outputs) to a JSON array of
   ``{"name", "parameters"}`` objects, one of the given tools each (at most one without
   ``parallel_tool_calls``), so the arguments always parse and match their schema;
@@ -73,7 +76,8 @@ def tool_plan(request: ChatCompletionRequest, parser: ToolParser | None, auto_en
                               "--tool-call-parser; use \"required\" or a named function instead.", "tool_choice")
         if request_parser.needs_special_tokens:
             request.skip_special_tokens = False  # the call marker is a special token: keep it in the text
-        return ToolPlan("auto", template_tools, parser=request_parser)
+        return ToolPlan("auto", template_tools, parser=request_parser,
+                        constraint=_strict_auto_constraint(request, request_parser))
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in tools}
     if choice == "required":
         alternatives = [
@@ -91,6 +95,27 @@ def tool_plan(request: ChatCompletionRequest, parser: ToolParser | None, auto_en
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.", "tool_choice")
     return ToolPlan("named", template_tools, named=name, parser=request_parser,
                     constraint=StructuredOutputsParams(json=schemas[name], disable_any_whitespace=True))
+
+
+def _strict_auto_constraint(request: ChatCompletionRequest, parser: ToolParser) -> StructuredOutputsParams | None:
+    """Under "auto", strict tools constrain the calls (all tools' calls: a strict one's to its schema, the
+    others' to an object), never the free text around them; None without strict tools."""
+    tools = request.tools or []
+    strict = [i for i, tool in enumerate(tools) if tool.function.strict]
+    if not strict:
+        return None
+    schemas = {tool.function.name: (tool.function.parameters or _ANY_OBJECT) if tool.function.strict else _ANY_OBJECT
+               for tool in tools}
+    tag = parser.structural_tag(schemas, single_call=request.parallel_tool_calls is False)
+    if tag is None:
+        raise bad_request(
+            f'tools[{strict[0]}].function.strict: strict tools under tool_choice "auto" are honoured only with '
+            f"--tool-call-parser hermes (whose <tool_call> opens a call the server can constrain), not "
+            f'{parser.name}; use tool_choice "required" or a named function (always held to the schema), or '
+            "leave strict out.",
+            f"tools.{strict[0]}.function.strict",
+        )
+    return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedToolCall]]:

@@ -10,3 +10,4 @@ DEFAULT_TIMEOUT_HEADERS = 10.0  # --timeout-headers: a request's headers must be
 DEFAULT_TIMEOUT_BODY = 30.0  # --timeout-body: a request's whole body must arrive by then (else 408, closed)
 DEFAULT_LIMIT_CONCURRENCY = 512  # --limit-concurrency: open connections / requests in flight before 503
 DEFAULT_RESPONSES_STORE_SIZE = 1000  # --responses-store-size: stored /v1/responses kept in memory (LRU)
+DEFAULT_RESPONSES_STORE_BYTES = 64 << 20  # --responses-store-max-bytes: their JSON size in all (LRU)

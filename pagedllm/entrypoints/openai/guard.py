@@ -25,6 +25,11 @@ logger = logging.getLogger("pagedllm.api")
 # Paths anyone may call even when an API key is set (probes and scrapers).
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 _CLOSE = [(b"connection", b"close")]
+# A refused body is read to its end (and dropped) before the 413, up to this much: a client that
+# writes its whole body before reading would otherwise meet a reset connection, not the answer
+# (closing a socket with unread input resets it). Beyond this, or past the body's deadline, the
+# 413 goes out at once and the connection closes.
+MAX_DRAIN_BYTES = 64 << 20
 
 
 def route_path(scope: Scope) -> str:
@@ -43,20 +48,24 @@ class GuardMiddleware:
         timeout_body: float = DEFAULT_TIMEOUT_BODY,
     ) -> None:
         self.app = app
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.log_requests = log_requests
         self.timeout_body = timeout_body
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.expected_auth is None or route_path(scope) in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if self.expected_key is None or route_path(scope) in OPEN_PATHS or scope["method"] == "OPTIONS":
             return True
         provided = b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 provided = value
                 break
-        return hmac.compare_digest(provided, self.expected_auth)
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" is "Bearer KEY"), then one or more spaces.
+        parts = provided.split(maxsplit=1)
+        if len(parts) != 2 or parts[0].lower() != b"bearer":
+            return False
+        return hmac.compare_digest(parts[1].strip(), self.expected_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,6 +135,9 @@ class GuardMiddleware:
                     await error.response()(scope, receive, send)
                     return None
                 if declared > self.max_request_bytes:
+                    # With Expect: 100-continue the body has not been sent: answer at once, it never will be.
+                    if declared - self.max_request_bytes <= MAX_DRAIN_BYTES and not _expects_continue(scope):
+                        await self._drain(receive, time.monotonic() + self.timeout_body)
                     await too_large.response()(scope, receive, send)
                     return None
         chunks: list[bytes] = []
@@ -147,6 +159,8 @@ class GuardMiddleware:
             body = message.get("body", b"")
             total += len(body)
             if total > self.max_request_bytes:
+                if message.get("more_body", False):
+                    await self._drain(receive, deadline)
                 await too_large.response()(scope, receive, send)
                 return None
             chunks.append(body)
@@ -162,3 +176,22 @@ class GuardMiddleware:
             return await receive()
 
         return replay
+
+    @staticmethod
+    async def _drain(receive: Receive, deadline: float) -> None:
+        """Read and drop the rest of a refused body: up to MAX_DRAIN_BYTES, until ``deadline``."""
+        drained = 0
+        while drained <= MAX_DRAIN_BYTES:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                return
+            if message["type"] != "http.request":
+                return
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.lower() == b"100-continue" for name, value in scope.get("headers", []))

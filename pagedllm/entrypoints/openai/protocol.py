@@ -19,13 +19,18 @@ from pydantic import (
     model_validator,
 )
 
-from pagedllm.engine.inputs import unencodable_char
+from pagedllm.engine.inputs import MAX_PRIORITY, MIN_PRIORITY, unencodable_char
 
 logger = logging.getLogger("pagedllm.api")
 
 # torch.manual_seed takes a signed or unsigned 64-bit seed; refuse what it cannot take up front.
 _SEED_MIN = -(1 << 63)
 _SEED_MAX = (1 << 63) - 1
+
+
+def priority_field() -> Any:
+    """vLLM's priority (lower first), in the engine's int64 range: a 400 before any work is done."""
+    return Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 def random_id(prefix: str) -> str:
@@ -188,7 +193,7 @@ class SamplingFields(RequestModel):
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     prompt_logprobs: Int | None = None
-    priority: Int = 0
+    priority: Int = priority_field()
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -273,8 +278,9 @@ class ChatCompletionRequest(SamplingFields):
     store: Bool | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
-    # Implemented by the server's automatic prefix caching, which needs no key; safety_identifier
-    # is written to the log line as user is.
+    # Requests with one prompt_cache_key go to one data-parallel replica (core/router.py); one
+    # engine's automatic prefix caching needs no key. safety_identifier is written to the log line
+    # as user is.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's chat extras
@@ -408,7 +414,7 @@ class EmbeddingRequest(RequestModel):
     normalize: Bool | None = None
     # Keep only the last k tokens of each input (-1: the last max_model_len); None: refuse a longer input.
     truncate_prompt_tokens: Int | None = None
-    priority: Int = 0
+    priority: Int = priority_field()
 
 
 class EmbeddingResponseData(OpenAIModel):

@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (
     Number,
     RequestModel,
     StructuredOutputsRequest,
+    priority_field,
 )
 
 
@@ -75,5 +76,5 @@ class ResponsesRequest(RequestModel):
     seed: Int | None = None
     stop: str | list[str] | None = None
     ignore_eos: Bool = False
-    priority: Int = 0
+    priority: Int = priority_field()
     structured_outputs: StructuredOutputsRequest | None = None

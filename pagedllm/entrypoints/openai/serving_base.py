@@ -137,6 +137,7 @@ class ServingContext:
     tokenizer: Any
     max_prompts_per_request: int = 1024
     structured: StructuredOutputManager | None = None
+    hf_config: Any = None  # the model's config, for checks that name the served model (not its path)
     _token_text_cache: dict[int, str] = field(default_factory=dict)
     _tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
@@ -264,12 +265,16 @@ class ServingContext:
         params: SamplingParams,
         prompt_param: str = "prompt",
         priority: int = 0,
+        prompt_cache_key: str | None = None,
     ) -> None:
-        """Queue every prompt or none: a prompt the engine refuses aborts the ones queued before it."""
+        """Queue every prompt or none: a prompt the engine refuses aborts the ones queued before it.
+
+        ``prompt_cache_key`` reaches the engine front: data-parallel replicas route by it."""
         added: list[str] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                await self.async_engine.add_request(request_id, prompt, params, priority=priority)
+                await self.async_engine.add_request(request_id, prompt, params, priority=priority,
+                                                    prompt_cache_key=prompt_cache_key)
                 added.append(request_id)
         except BaseException as exc:
             for request_id in added:

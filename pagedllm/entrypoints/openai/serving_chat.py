@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.openai.serving_completion import finite, vllm_prompt_logprobs
 from pagedllm.entrypoints.openai.streaming import ChoiceDelta, DeltaTracker, event_stream, final_outputs
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.template_sandbox import TemplateLimits
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -138,9 +139,14 @@ class OpenAIServingChat:
         tool_parser: ToolParser | None = None,
         enable_auto_tool_choice: bool = False,
         reasoning_parser: type[ReasoningParser] | None = None,
+        trust_request_chat_template: bool = False,
+        template_limits: TemplateLimits | None = None,
     ) -> None:
         self.ctx = ctx
         self.chat_template = chat_template
+        # A template is a program run on the server: a request's own runs only where the operator says so.
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_limits = template_limits or TemplateLimits()
         self.response_role = response_role
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -155,16 +161,39 @@ class OpenAIServingChat:
             request.skip_special_tokens = False  # the reply's markers are special tokens: keep them in the text
         return parser
 
+    def request_template(self, request: Any) -> tuple[str | None, dict[str, Any] | None]:
+        """(the template to render with, the template kwargs left) for a request; a template sent with
+        it (``chat_template``, or ``chat_template_kwargs.chat_template`` as vLLM reads it) is a 400
+        unless the server trusts request templates."""
+        kwargs = getattr(request, "chat_template_kwargs", None)
+        sent = getattr(request, "chat_template", None)
+        if kwargs and kwargs.get("chat_template") is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
+            sent = sent or request.chat_template_kwargs["chat_template"]
+        if sent is None:
+            return self.chat_template, kwargs
+        if not self.trust_request_chat_template:
+            raise bad_request(
+                "A chat template was sent with the request, but this server was not started with "
+                "--trust-request-chat-template; it renders only its own template (the model's or --chat-template).",
+                "chat_template",
+            )
+        if not isinstance(sent, str):
+            raise bad_request("chat_template must be a string.", "chat_template")
+        return sent, kwargs
+
     def render(self, request: Any, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """On the tokenizer thread: the chat template applied and tokenized; ValueError says what is wrong."""
+        template, kwargs = self.request_template(request)
         return render_chat_checked(
             self.ctx.tokenizer,
             conversation(request.messages or []),
-            chat_template=request.chat_template or self.chat_template,
+            chat_template=template,
             add_generation_prompt=request.add_generation_prompt,
             tools=tools,
             continue_final_message=getattr(request, "continue_final_message", False),
-            template_kwargs=getattr(request, "chat_template_kwargs", None),
+            template_kwargs=kwargs,
+            limits=self.template_limits,
         )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -172,6 +201,7 @@ class OpenAIServingChat:
         ctx.check_model(request.model)
         ctx.async_engine.check_alive()
         refuse_unsupported_chat_fields(request)
+        self.request_template(request)  # an untrusted template is refused before anything else is done
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of must equal n (or be left out) when streaming.", "best_of")
         if request.stream and request.use_beam_search:
@@ -216,7 +246,7 @@ class OpenAIServingChat:
         request_id = random_id("chatcmpl")
         set_log_info(raw_request, id=request_id, **ctx.identity(request))
         await ctx.add_requests([request_id], [{"prompt_token_ids": token_ids, "prompt": text}], params, "messages",
-                               priority=request.priority)
+                               priority=request.priority, prompt_cache_key=request.prompt_cache_key)
         streams = [ctx.async_engine.stream_outputs(request_id)]
         role = self.response_role if request.add_generation_prompt else request.messages[-1].role
         # vLLM's echo: a reply in the last message's role starts with that message's text.

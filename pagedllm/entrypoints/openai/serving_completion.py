@@ -87,8 +87,8 @@ def vllm_prompt_logprobs(
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's prompt_logprobs shape: per prompt token {token id: {logprob, rank, decoded_token}}.
 
-    ``rank`` is the place among the top entries (1 = likeliest); the prompt's own token, when not
-    among them, has rank None.
+    The prompt's own token has its rank in the whole vocabulary (1 + the tokens likelier), which the
+    engine counted (sampling/logprob_rank.py); the top entries beside it are ranked 1..k.
     """
     if logprobs is None:
         return None
@@ -97,13 +97,11 @@ def vllm_prompt_logprobs(
         if top is None:
             result.append(None)
             continue
-        ranked = sorted(((t, v) for t, v in top.items() if t != token_id), key=lambda item: item[1], reverse=True)
         own = top[token_id]
-        own_rank = 1 + sum(1 for _, v in ranked if v > own)
-        entry = {str(token_id): {"logprob": finite(own), "rank": own_rank if own_rank <= len(top) else None,
+        entry = {str(token_id): {"logprob": finite(own), "rank": getattr(own, "rank", None),
                                  "decoded_token": ctx.token_text(token_id)}}
         for rank, (candidate, value) in enumerate(sorted(top.items(), key=lambda item: item[1], reverse=True), 1):
-            entry.setdefault(str(candidate), {"logprob": finite(value), "rank": rank,
+            entry.setdefault(str(candidate), {"logprob": finite(value), "rank": getattr(value, "rank", rank),
                                               "decoded_token": ctx.token_text(candidate)})
         result.append(entry)
     return result

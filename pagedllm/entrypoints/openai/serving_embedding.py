@@ -119,6 +119,9 @@ class OpenAIServingEmbedding:
             )
         try:
             params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+            # Here, not in the engine: the engine knows the model by its path, clients by its served name.
+            if ctx.hf_config is not None:
+                params.verify(ctx.hf_config, ctx.model_name)
         except ValueError as exc:
             raise bad_request(str(exc), "dimensions") from exc
         encoded = await ctx.run_in_tokenizer_thread(self._encode, inputs, request.add_special_tokens)

@@ -68,14 +68,16 @@ def _responses_error(error: APIError) -> APIError:
     )
 
 
-def _not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(
-        404,
-        f"Response with id {response_id!r} not found: responses are kept in memory, only while "
-        "they are among the server's most recent stored ones, and never with store set to false.",
-        param=param,
-        code="response_not_found",
-    )
+def _not_found(response_id: str, param: str | None = None, store: ResponseStore | None = None) -> APIError:
+    refused = store.refused_size(response_id) if store is not None else None
+    if refused is not None:
+        message = (f"Response with id {response_id!r} was not stored: at {refused} bytes it is larger than the "
+                   f"server's whole responses store ({store.max_bytes} bytes, --responses-store-max-bytes).")
+    else:
+        message = (f"Response with id {response_id!r} not found: responses are kept in memory, only while "
+                   "they are among the server's most recent stored ones (by count and by size), and never with "
+                   "store set to false.")
+    return APIError(404, message, param=param, code="response_not_found")
 
 
 def _only_reasoning(output: list[dict[str, Any]]) -> bool:
@@ -93,7 +95,7 @@ class OpenAIServingResponses:
     def retrieve(self, response_id: str) -> JSONResponse:
         entry = self.store.get(response_id)
         if entry is None:
-            raise _not_found(response_id)
+            raise _not_found(response_id, store=self.store)
         return JSONResponse(entry.response)
 
     def delete(self, response_id: str) -> JSONResponse:
@@ -120,7 +122,7 @@ class OpenAIServingResponses:
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
             if stored is None:
-                raise _not_found(request.previous_response_id, "previous_response_id")
+                raise _not_found(request.previous_response_id, "previous_response_id", self.store)
             previous = stored.items
         conversation = previous + items
         body = chat_request_body(request, chat_messages(conversation, request.instructions))

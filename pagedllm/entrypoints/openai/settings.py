@@ -78,6 +78,12 @@ class ServerSettings:
     chat_template: str | None = setting(
         None, CHAT_GROUP, "A Jinja chat template (a file, or the template text) instead of the tokenizer's."
     )
+    # vLLM's flag: a template is a program the server runs, so a request's own is refused by default.
+    trust_request_chat_template: bool = setting(
+        False, CHAT_GROUP,
+        "Render a chat_template sent with a request (/v1/chat/completions, /tokenize) instead of refusing it "
+        "with 400. Every template, trusted or not, renders within bounds of output size and time.",
+    )
     response_role: str = setting("assistant", CHAT_GROUP, "The role of the replies of /v1/chat/completions.")
     tool_call_parser: str | None = setting(
         None, CHAT_GROUP,
@@ -99,6 +105,11 @@ class ServerSettings:
         defaults.DEFAULT_RESPONSES_STORE_SIZE, CHAT_GROUP,
         "How many /v1/responses (store: true) the server keeps in memory for GET and previous_response_id; the "
         "least recently used go first; 0 keeps none.",
+    )
+    responses_store_max_bytes: int = setting(
+        defaults.DEFAULT_RESPONSES_STORE_BYTES, CHAT_GROUP,
+        "The most the stored /v1/responses may take in all, as their JSON (e.g. 64MiB, the default); the least "
+        "recently used go first, and a response larger than this alone is not stored.", byte_size=True,
     )
     root_path: str = setting(
         "", SERVER_GROUP, "The path prefix a proxy in front of the server strips (FastAPI's root_path; default: none)."

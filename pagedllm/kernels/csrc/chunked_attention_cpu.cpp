@@ -39,7 +39,8 @@ namespace {
 constexpr int64_t TILE = 8;  // query rows per work item
 constexpr int64_t KC = 32;   // keys per chunk: two 512-bit vectors of scores per lane
 constexpr int64_t LG = 8;    // lanes scored together: 8 x 2 accumulators in registers
-// Masked scores: finite, since -ffast-math lets the compiler assume there are no infinities.
+// Masked scores: exp(kMasked - max) is 0 for any real max, as it would be with -inf (a lane with no
+// key in a chunk skips the chunk, so max is always a real score).
 constexpr float kMasked = -1e30f;
 
 struct WorkItem {

@@ -15,7 +15,7 @@
 //   rotary:         bf16(bf16(x1 * cos) - bf16(x2 * sin)), bf16(bf16(x2 * cos) + bf16(x1 * sin))
 //
 // Loops are written for `#pragma omp simd`; exp, tanh and erf become glibc's vector versions
-// (libmvec) under -ffast-math. Rows are split over threads only when a call has enough of them
+// (libmvec, declared in vec_math.h). Rows are split over threads only when a call has enough of them
 // to pay for waking the pool (see kParallelElements).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,7 +62,7 @@ struct Elem<at::BFloat16> {
   static inline uint16_t store(float f) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof(u));
-    // An integer test: -ffast-math would fold a floating-point NaN test away.
+    // An integer test: it vectorises with the rounding, and holds under any floating-point flags.
     const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
     return nan ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }

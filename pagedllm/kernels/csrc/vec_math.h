@@ -1,6 +1,23 @@
 // Vector math shared by the CPU kernels (AVX-512, 16 float32 values at a time).
 #pragma once
 
+#include <cmath>
+
+// glibc declares its vector math (libmvec) only under -ffast-math, which the kernels are not built
+// with: they rely on infinities and NaN (-INFINITY sentinels, NaN kept a NaN). Declared here, the
+// `#pragma omp simd` loops that call std::exp, std::tanh and std::erf still call libmvec's vector
+// forms (which handle infinities and NaN) instead of one scalar call per value.
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(_OPENMP) && !defined(__FAST_MATH__)
+extern "C" {
+#pragma omp declare simd notinbranch
+float expf(float) noexcept;
+#pragma omp declare simd notinbranch
+float tanhf(float) noexcept;
+#pragma omp declare simd notinbranch
+float erff(float) noexcept;
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

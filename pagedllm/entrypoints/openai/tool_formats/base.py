@@ -124,6 +124,13 @@ class ToolParser:
         calls = [PartialToolCall(call.name, call.arguments) for call in self.complete_calls(text)]
         return StreamView(self.content_end(text), calls)
 
+    def structural_tag(self, schemas: dict[str, dict[str, Any]], single_call: bool) -> dict[str, Any] | None:
+        """An xgrammar structural tag (JSON-able) that leaves the reply free but makes every tool call in
+        this format follow its tool's schema (``schemas``: name -> parameters), at most one call when
+        ``single_call``; None where the format has no trigger that opens a call (strict tools are then
+        refused under tool_choice "auto")."""
+        return None
+
     def tool_schema(self, name: str) -> dict[str, Any]:
         """The JSON schema of the named tool's parameters ({} when the request has no such tool)."""
         for tool in self.tools:

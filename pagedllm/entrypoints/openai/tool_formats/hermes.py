@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from pagedllm.entrypoints.openai.tool_formats.base import (
     ParsedToolCall,
@@ -38,6 +39,17 @@ class HermesToolParser(ToolParser):
             return tool_call_from_json(json.loads(body.strip()), call_id=self.new_call_id())
         except json.JSONDecodeError:
             return None
+
+    def structural_tag(self, schemas: dict[str, dict[str, Any]], single_call: bool) -> dict[str, Any] | None:
+        # Once the model writes <tool_call>, the call is held to the layout Hermes and Qwen templates
+        # use, the name to a tool's and the arguments to that tool's schema; outside calls, free text.
+        tags = [
+            {"begin": f'{self.start}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}\n{self.end}"}
+            for name, schema in schemas.items()
+        ]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.start],
+                                                     "tags": tags, "stop_after_first": single_call}}
 
     def content_end(self, text: str) -> int:
         return content_end_before(text, (self.start,))
