@@ -110,11 +110,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="output tokens per stream")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-model", action="store_true", help="the kernels only")
+    parser.add_argument("--other-flags", default=" ".join(FAST_MATH_FLAGS),
+                        help="the flag set compared with the kernels' own (default: -ffast-math's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     level = active_isa()
     builds = {}
-    for label, flags in (("ieee", BASE_FLAGS), ("fast-math", FAST_MATH_FLAGS)):
+    for label, flags in (("ieee", BASE_FLAGS), ("fast-math", tuple(args.other_flags.split()))):
         start = time.perf_counter()
         module = module_for(level) if flags == BASE_FLAGS else build_level(level, base_flags=flags)
         if module is None:
@@ -149,7 +151,8 @@ def main() -> None:
 
     print(f"\nlevel {level}, {args.threads} threads, medians of {args.repeats} repeats "
           f"(kernels: median of {args.calls} calls each)")
-    print("| case | IEEE flags | -ffast-math | fast-math / IEEE |")
+    print(f"other flags: {args.other_flags}")
+    print("| case | IEEE flags | other flags | other / IEEE |")
     print("|---|---:|---:|---:|")
     for name, by_label in times.items():
         ieee, fast = statistics.median(by_label["ieee"]), statistics.median(by_label["fast-math"])

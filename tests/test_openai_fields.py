@@ -236,7 +236,8 @@ def test_chat_template_response_role_root_path_and_tokenizer(model_dir, tmp_path
         if (model_copy / name).exists():
             shutil.move(model_copy / name, tokenizer_dir / name)
     args = engine_args(str(model_copy), num_kv_blocks=16, tokenizer=str(tokenizer_dir))
-    app = build_app(args, served_model_name=MODEL, chat_template=str(template), response_role="bot")
+    app = build_app(args, served_model_name=MODEL, chat_template=str(template), response_role="bot",
+                    trust_request_chat_template=True)
     # What run_server does with --root-path /llm.
     config = server_config(app, host="127.0.0.1", port=free_port(), log_level="warning", root_path="/llm")
     with ServerThread(app, config) as running, httpx.Client(base_url=running.url, timeout=60) as c:

@@ -202,8 +202,8 @@ def test_engine_failure_in_a_replica_runs_its_request_elsewhere(server, monkeypa
 
     ray.get(replicated.actors[1].__ray_call__.remote(break_engine))
     choose = replicated.router.choose
-    monkeypatch.setattr(replicated.router, "choose", lambda token_ids, loads: 1 if 1 in loads else choose(token_ids,
-                                                                                                            loads))
+    monkeypatch.setattr(replicated.router, "choose", lambda token_ids, loads, **kw: 1 if 1 in loads
+                        else choose(token_ids, loads, **kw))
     retries = replicated.num_retries
     result = _stream(http, "a request whose first replica fails", max_tokens=8)
     # Its engine failed before any token: the request ran again on replica 0, whole.
@@ -234,8 +234,8 @@ def test_replica_death_mid_answer_reruns_a_non_streamed_request(server, monkeypa
     expected = _complete(http, plain_prompt, max_tokens).json()["choices"][0]["text"]
     retries = replicated.num_retries
     choose = replicated.router.choose
-    monkeypatch.setattr(replicated.router, "choose", lambda token_ids, loads: 0 if 0 in loads else choose(token_ids,
-                                                                                                            loads))
+    monkeypatch.setattr(replicated.router, "choose", lambda token_ids, loads, **kw: 0 if 0 in loads
+                        else choose(token_ids, loads, **kw))
     results: dict = {}
     streamed_started = threading.Event()
 

@@ -240,3 +240,54 @@ def test_tool_call_stream_sends_content_then_each_call_once():
     assert "".join(d.get("content", "") for d in flat) == "Hi "
     names = [d["tool_calls"][0]["function"]["name"] for d in flat if "id" in d.get("tool_calls", [{}])[0]]
     assert names == ["a", "b"] and stream.sent_calls == 2
+
+
+# ----------------------------------------------------------------------------- strict tools under auto
+
+
+@pytest.fixture(scope="module")
+def marker_model_dir(tmp_path_factory) -> str:
+    """The tiny model with <tool_call> and </tool_call> as one token each, so a logit bias can open a call."""
+    path = str(tmp_path_factory.mktemp("tiny-tool-markers"))
+    build_tiny_model(path, extra_tokens=("<tool_call>", "</tool_call>"))
+    return path
+
+
+def test_a_strict_tool_holds_auto_calls_to_its_schema(model_dir, marker_model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    template = str(tmp_path_factory.getbasetemp() / "hermes.jinja")
+    opener = AutoTokenizer.from_pretrained(marker_model_dir).convert_tokens_to_ids("<tool_call>")
+    app = build_app(engine_args(marker_model_dir, num_kv_blocks=32), served_model_name=MODEL, chat_template=template,
+                    tool_call_parser="hermes", enable_auto_tool_choice=True)
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    # The bias makes the random model open a call at once; what follows the marker is up to the model.
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 120, "temperature": 0,
+            "logit_bias": {str(opener): 100}, "parallel_tool_calls": False}
+    with ServerThread(app) as running, httpx.Client(base_url=running.url, timeout=120) as http:
+        strict = http.post("/v1/chat/completions", json={**body, "tools": [strict_weather]}).json()
+        choice = strict["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        # The same request without strict: the model writes what it likes after the marker, no valid call.
+        loose = http.post("/v1/chat/completions", json={**body, "tools": [WEATHER]}).json()["choices"][0]
+        assert loose["finish_reason"] != "tool_calls" and not loose["message"]["tool_calls"], loose
+        wait_idle(http)
+
+
+def test_strict_tools_under_auto_need_a_format_that_marks_its_calls(model_dir, tmp_path_factory):
+    template = str(tmp_path_factory.getbasetemp() / "hermes.jinja")
+    app = build_app(engine_args(model_dir, num_kv_blocks=16), served_model_name=MODEL, chat_template=template,
+                    tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    with ServerThread(app) as running:
+        response = httpx.post(running.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 4, "tools": [TIME, strict_weather]})
+        assert_error(response, 400, "tools.1.function.strict", "hermes")
+        # Named and required calls are always held to the schema: strict changes nothing there.
+        named = httpx.post(running.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 60, "tools": [strict_weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+        assert named.status_code == 200, named.text

@@ -46,7 +46,9 @@ void greedy_rows(const T* x, int64_t rows, int64_t vocab, int64_t* ids, float* l
       for (; i < vocab; ++i) max_value = std::max(max_value, load_value(row, i));
       // The first maximum; bounded, since a NaN row (a broken model) has no element equal to max.
       int64_t arg = -1;
-      float sum = 0.f;
+      // A double sum: without vector lanes (scalar and AVX2 builds) the whole vocabulary is added
+      // in order, and a float running sum of 10^4-10^5 terms drifts by about 1e-5.
+      double sum = 0.0;
       i = 0;
 #if defined(__AVX512F__)
       const __m512 top = _mm512_set1_ps(max_value);
@@ -67,7 +69,7 @@ void greedy_rows(const T* x, int64_t rows, int64_t vocab, int64_t* ids, float* l
         sum += std::exp(v - max_value);
       }
       ids[r] = arg < 0 ? vocab - 1 : arg;
-      logprobs[r] = -std::log(sum);
+      logprobs[r] = static_cast<float>(-std::log(sum));
     }
   });
 }
