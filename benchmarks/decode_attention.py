@@ -29,17 +29,18 @@ import time
 import torch
 from bandwidth import measure_read_bandwidth
 
-from pagedllm.attention.kv_quant import KVFormat, kv_format, kv_pool_row, quantize_rows
+from pagedllm.attention.kv_quant import quantize_rows, storage_dtype
 from pagedllm.kernels.attention import paged_decode_attention
+from pagedllm.kv_cache_format import KVCacheFormat, parse_kv_cache_dtype
 from pagedllm.worker.cache_engine import zeroed_kv_pool
 
 SHAPES = ["64x128", "64x300", "64x500", "8x500", "8x2000"]
 
 
-def quantized_pool(shape: tuple[int, ...], fmt: KVFormat, head_dim: int, sample_blocks: int = 256) -> torch.Tensor:
+def quantized_pool(shape: tuple[int, ...], fmt: KVCacheFormat, head_dim: int, sample_blocks: int = 256) -> torch.Tensor:
     """A pool of ``fmt`` rows holding valid quantized normals (random bytes could be fp8 NaNs): a
     sample of blocks is quantized once and tiled through the pool, which is all a timing needs."""
-    pool = zeroed_kv_pool(shape, fmt.storage, torch.device("cpu"))
+    pool = zeroed_kv_pool(shape, storage_dtype(fmt), torch.device("cpu"))
     sample = quantize_rows(torch.randn(min(sample_blocks, shape[0]), *shape[1:-1], head_dim), fmt)
     for start in range(0, shape[0], sample.shape[0]):
         count = min(sample.shape[0], shape[0] - start)
@@ -51,15 +52,15 @@ def time_shape(
     batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace, kv_cache_dtype: str = "auto"
 ) -> tuple[float, int]:
     """(median seconds per call, bytes of keys and values the call reads)."""
-    fmt = kv_format(kv_cache_dtype)
-    row_bytes = args.head_dim * dtype.itemsize if fmt is None else fmt.row_bytes(args.head_dim)
+    fmt = parse_kv_cache_dtype(kv_cache_dtype)
+    row_bytes = fmt.row_bytes(args.head_dim, dtype.itemsize)
     blocks_per_seq = -(-context // args.block_size)
     block_bytes = 2 * args.block_size * args.kv_heads * row_bytes
     pool = max(batch * blocks_per_seq, args.pool_mib * 2**20 // block_bytes)
-    shape = (pool, args.block_size, args.kv_heads, kv_pool_row(fmt, args.head_dim))
+    shape = (pool, args.block_size, args.kv_heads, fmt.pool_row(args.head_dim))
     # Allocated as the engine allocates its pool (in huge pages unless PAGEDLLM_HUGE_PAGES=0).
     cpu = torch.device("cpu")
-    if fmt is None:
+    if not fmt.quantized:
         k_cache, v_cache = (zeroed_kv_pool(shape, dtype, cpu).normal_() for _ in range(2))
     else:
         k_cache, v_cache = (quantized_pool(shape, fmt, args.head_dim) for _ in range(2))

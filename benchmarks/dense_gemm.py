@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
+from pagedllm.layers.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
 
 # (name, in_features, out_features) of one decoder layer of the default model (SmolLM-135M shape).
 LAYER_SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]

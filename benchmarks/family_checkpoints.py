@@ -9,8 +9,10 @@ with EOS ignored. Llama-3.2-1B's shape runs alongside as the reference row.
     .venv/bin/python benchmarks/family_checkpoints.py --families olmo2 granite --quantization int8
 
 Figures per family: parameters, load seconds (the ``LLM(...)`` call: config, weights, packing,
-KV pool), and decode tok/s as the median over --repeats of (max_tokens=N+1 time - max_tokens=1
-time) / N, which leaves the prompt out. Shapes too large for this machine's memory keep their
+KV pool), decode tok/s as the median over --repeats of (max_tokens=N+1 time - max_tokens=1
+time) / N, which leaves the prompt out, the weight bytes a decode step reads times that rate (GB/s:
+how models of different sizes compare, against the Llama row) and where the layers ran (the
+engine's ``Layers:`` start-up line). Shapes too large for this machine's memory keep their
 real layer width but fewer layers (``layers`` in the table says how many of how many); tok/s of
 such a row scales with the layer count, load time roughly too.
 """
@@ -117,18 +119,23 @@ def checkpoint(name: str, out_dir: str, shape: Shape | None = None) -> tuple[str
         default_tokenizer().save_pretrained(folder)
         del model
         gc.collect()
-    return folder, _count_params(folder), label
+    return folder, *_count_params(folder), label
 
 
-def _count_params(folder: str) -> int:
+def _count_params(folder: str) -> tuple[int, int]:
+    """(parameters, parameters a decode step reads): all but an untied input embedding, of which a
+    step reads one row per token."""
     from safetensors import safe_open
 
-    total = 0
+    sizes: dict[str, int] = {}
     for file in os.listdir(folder):
         if file.endswith(".safetensors"):
             with safe_open(os.path.join(folder, file), "pt") as f:
-                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-    return total
+                sizes.update({key: math.prod(f.get_slice(key).get_shape()) for key in f.keys()})
+    total = sum(sizes.values())
+    untied_embedding = any(key.endswith("lm_head.weight") for key in sizes)
+    embedding = sum(n for key, n in sizes.items() if key.endswith("embed_tokens.weight")) if untied_embedding else 0
+    return total, total - embedding
 
 
 def default_tokenizer():
@@ -167,7 +174,7 @@ def main() -> None:
 
     rows = []
     for name in args.families:
-        folder, params, layers = checkpoint(name, args.out_dir)
+        folder, params, read_params, layers = checkpoint(name, args.out_dir)
         gc.collect()
         start = time.perf_counter()
         llm = LLM(model=folder, dtype="bfloat16", quantization=args.quantization, kv_cache_memory="256MiB",
@@ -175,17 +182,24 @@ def main() -> None:
         load_s = time.perf_counter() - start
         prompt = [100 + (7 * i) % 40000 for i in range(args.prompt_len)]
         rate = decode_tok_s(llm, prompt, args.new_tokens, args.repeats)
+        weight_bytes = read_params * (2 if args.quantization is None else 1)  # bfloat16, or int8-sized rows
         row = dict(family=name, published=SHAPES[name].published, layers=layers, params_b=round(params / 1e9, 2),
-                   load_s=round(load_s, 1), decode_tok_s=round(rate, 2))
+                   load_s=round(load_s, 1), decode_tok_s=round(rate, 2),
+                   weight_gb_s=round(rate * weight_bytes / 1e9, 2),
+                   placement=getattr(llm.llm_engine, "layer_placement", "not reported"))
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
         gc.collect()
 
-    print(f"\n{'family':10} {'shape of':38} {'layers':>7} {'params':>7} {'load s':>7} {'tok/s':>7}")
+    # Weight bytes streamed per second: what the tok/s of models of different sizes is compared by.
+    reference = next((r["weight_gb_s"] for r in rows if r["family"] == "llama"), None)
+    print(f"\n{'family':10} {'shape of':38} {'layers':>7} {'params':>7} {'load s':>7} {'tok/s':>7} {'GB/s':>6} "
+          f"{'vs llama':>8}  layers run in")
     for r in rows:
+        ratio = f"{r['weight_gb_s'] / reference:.2f}x" if reference else "-"
         print(f"{r['family']:10} {r['published']:38} {r['layers']:>7} {r['params_b']:>6}B {r['load_s']:>7} "
-              f"{r['decode_tok_s']:>7}")
+              f"{r['decode_tok_s']:>7} {r['weight_gb_s']:>6} {ratio:>8}  {r['placement'][:60]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(quantization=args.quantization, rows=rows), f, indent=1)

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention import key_offset  # noqa: E402
-from pagedllm.config import canonical_kv_cache_dtype  # noqa: E402
+from pagedllm.kv_cache_format import parse_kv_cache_dtype  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 DEFAULT_TEXTS = [os.path.join(DATA, "kv_eval_prose.txt"), os.path.join(DATA, "kv_eval_design.txt")]
@@ -85,11 +85,11 @@ NO_OFFSET = "/no-offset"
 
 
 def accuracy(args: argparse.Namespace) -> None:
-    names = [canonical_kv_cache_dtype(name) for name in args.kv_cache_dtypes]
+    names = [parse_kv_cache_dtype(name).name for name in args.kv_cache_dtypes]
     if "auto" in names:
         names.remove("auto")
     names.insert(0, "auto")  # the reference runs first
-    names += [canonical_kv_cache_dtype(name) + NO_OFFSET for name in args.without_key_offset]
+    names += [parse_kv_cache_dtype(name).name + NO_OFFSET for name in args.without_key_offset]
     calibration_tokens = key_offset.CALIBRATION_TOKENS
     windows = None
     results: dict[str, dict] = {}

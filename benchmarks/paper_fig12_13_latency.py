@@ -27,7 +27,7 @@ import argparse
 
 from paper_common import REAL_MAX_MODEL_LEN, make_real_engine, pyplot, real_trace, run_real_trace, save_png, write_json
 
-from pagedllm.config import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from pagedllm.kv_cache_format import KV_CACHE_DTYPES, parse_kv_cache_dtype
 from pagedllm.simulator import (
     MODEL_SHAPES,
     POLICIES,
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="results/<name>.json|png (default by --real)")
     args = parser.parse_args()
     # Canonical names, each once ("fp8" and "fp8_e4m3" are one format).
-    args.kv_cache_dtype = list(dict.fromkeys(canonical_kv_cache_dtype(d) for d in args.kv_cache_dtype))
+    args.kv_cache_dtype = list(dict.fromkeys(parse_kv_cache_dtype(d).name for d in args.kv_cache_dtype))
 
     if args.real:
         label = f"real, this CPU, SmolLM2-135M, {args.num_kv_blocks} x {args.block_size}-token KV blocks"

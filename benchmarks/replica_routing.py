@@ -7,7 +7,7 @@ Every configuration is a fresh ``pagedllm serve`` on the embedded default model:
 
 - ``single``: one engine in the server's process, --threads threads (the one-machine baseline);
 - ``round_robin`` and ``prefix``: ``--data-parallel-size 2`` replicas on a local Ray, one thread
-  each, routed by that policy (pagedllm/core/router.py).
+  each, routed by that policy (pagedllm/serving/router.py).
 
 Every configuration gets the same total KV memory, --kv-cache-memory (default 64 MiB, about five
 tenants' 512-token prefixes in bfloat16): the single engine all of it, each of the N replicas 1/N of

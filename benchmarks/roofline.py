@@ -11,7 +11,7 @@ prefill, one per request per decode step).
 Every (rows, projection) shape is timed here, on the model's real number of weight copies (one per
 layer, cycled as a forward pass does, so the weights stream from memory as they do in a serving
 step instead of sitting in cache), by each available path: torch's F.linear (MKL), oneDNN with
-weights reordered once, our panel kernel (pagedllm.models.cpu_gemm); the fastest counts per shape.
+weights reordered once, our panel kernel (pagedllm.layers.cpu_gemm); the fastest counts per shape.
 Row counts between the timed ones are interpolated. Attention costs the larger of two bounds: its two
 products at the best GEMM rate seen, and reading every cached key and value it attends once at
 the machine's read bandwidth (benchmarks/bandwidth.py, measured here). The second is what decode
@@ -95,7 +95,7 @@ def ideal_schedule(requests: list[tuple[int, int]], prefill_rows: int,
 
 def _gemm_paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
     """name -> (weight -> (x -> x @ weight.T)); each path prepares its weight once, as an engine would."""
-    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
+    from pagedllm.layers.cpu_gemm import OneDNNWeight, PanelWeight, onednn_supported, panels_supported
 
     paths = {"F.linear": lambda w: (lambda x: torch.nn.functional.linear(x, w))}
     if onednn_supported(dtype):

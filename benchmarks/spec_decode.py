@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.spec_decode.speculator import make_proposer  # noqa: E402
+from pagedllm.core.speculator import make_proposer  # noqa: E402
 
 PROMPTS = os.path.join(HERE, "data", "spec_decode_prompts.jsonl")
 CONFIGS = {

@@ -1,6 +1,6 @@
 """Size of the per-step control message of tensor parallelism, against batch size and context length.
 
-Each step rank 0 broadcasts one message to every worker (pagedllm/distributed/messages.py): per
+Each step rank 0 broadcasts one message to every worker (pagedllm/executor/messages.py): per
 sequence the tokens computed this step, the start position, its block table and a sample count,
 plus the block moves. Whole block tables grow with the context (one id per 16 tokens), so they are
 sent whole only when a sequence (re)enters the batch ("first"), and afterwards as the change since
@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pagedllm.distributed.messages import FRAME_BYTES, StepEncoder, encode_step  # noqa: E402
+from pagedllm.executor.messages import FRAME_BYTES, StepEncoder, encode_step  # noqa: E402
 from pagedllm.sampling import SamplingRow  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.worker.model_runner import SeqStepInput, StepInput  # noqa: E402
@@ -77,8 +77,8 @@ def _bench_rank(rank: int, port: int, sizes: list[int], repeats: int, queue) -> 
 
     import torch
 
-    from pagedllm.distributed.messages import broadcast_bytes
-    from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from pagedllm.executor.messages import broadcast_bytes
+    from pagedllm.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     state = init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 60.0)
     out: dict[int, float] = {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from pagedllm.json_setting import json_object_setting
+from pagedllm.kv_cache_format import KV_CACHE_DTYPES, KVCacheFormat, parse_kv_cache_dtype
 from pagedllm.model_reference import is_missing_local_path
 from pagedllm.pooler_config import CONVERTS, RUNNERS, TASKS, PoolerConfig, check_runner_settings
 
@@ -26,17 +27,6 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"Cannot read a memory size from {value!r}; use bytes or e.g. '2GiB', '512MiB'.")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-# vLLM's names; "fp8" is "fp8_e4m3". Formats are described in attention/kv_quant.py.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-
-
-def canonical_kv_cache_dtype(name: str) -> str:
-    """The format a ``kv_cache_dtype`` setting names ("fp8" -> "fp8_e4m3"), or a ValueError."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}.")
-    return "fp8_e4m3" if name == "fp8" else name
 
 
 @dataclass(slots=True)
@@ -59,6 +49,8 @@ class CacheConfig:
     # The window every attention layer stays within: blocks wholly before it are released as a
     # sequence grows (None: some layer attends to everything).
     sliding_window: int | None = None
+    # kv_cache_dtype parsed (kv_cache_format.py): what the pool, the attention backend and the metrics read.
+    kv_cache_format: KVCacheFormat = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -69,7 +61,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}.")
-        self.kv_cache_dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_format = parse_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_dtype = self.kv_cache_format.name
 
 
 KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
@@ -77,7 +70,7 @@ KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-orac
 
 # How tensor-parallel ranks start: child processes of the engine's (or torchrun's), or Ray actors.
 EXECUTOR_BACKENDS = ("mp", "ray")
-# Ray placement group strategies for a tensor-parallel group's ranks (distributed/ray_ranks.py).
+# Ray placement group strategies for a tensor-parallel group's ranks (executor/ray_ranks.py).
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 # The most tokens a proposer may guess per step. vLLM sets no upper bound; past a few dozen a draft
@@ -108,7 +101,7 @@ def _check_field_types(instance: Any, setting_name: str) -> None:
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` names): a proposer guesses the next tokens
-    of a decoding sequence, and one forward pass verifies them all (spec_decode/).
+    of a decoding sequence, and one forward pass verifies them all (core/speculator.py).
 
     ``ngram``: prompt lookup, the tokens after the latest earlier occurrence of the sequence's last
     n tokens (n from prompt_lookup_max down to prompt_lookup_min). ``suffix``: a suffix tree over the
@@ -560,7 +553,7 @@ class EngineArgs:
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.swap_space = parse_bytes(self.swap_space) or 0
-        canonical_kv_cache_dtype(self.kv_cache_dtype)
+        parse_kv_cache_dtype(self.kv_cache_dtype)  # an early error; CacheConfig keeps the parsed format
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")

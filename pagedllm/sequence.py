@@ -69,7 +69,7 @@ class Sequence:
         self.output_logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.stop_reason: int | str | None = None
-        # Incremental detokenizer state (see pagedllm/detokenizer.py).
+        # Incremental detokenizer state (see pagedllm/engine/detokenizer.py).
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0

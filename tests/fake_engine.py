@@ -12,7 +12,9 @@ bookkeeping after each step is the scheduler's own ``postprocess``, as in the re
 from __future__ import annotations
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core import GPU, Scheduler, SchedulerOutputs, ScriptedTokens
+from pagedllm.core import GPU, Scheduler, SchedulerOutputs
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.executor.simulated import SimulatedExecutor
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -60,14 +62,14 @@ def fake_token(group: SequenceGroup, seq: Sequence) -> int:
 
 
 class FakeEngine:
-    """Worker + engine in a few lines: run the step on the fake cache, then ``postprocess``."""
+    """The engine core's step with a SimulatedExecutor that runs each step on the fake cache."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.bm = scheduler.block_manager
         # Paged managers only; None runs the scheduler alone (contiguous policies, timing).
         self.kv: FakeKV | None = FakeKV(scheduler) if hasattr(scheduler.block_manager, "block_tables") else None
-        self.sink = ScriptedTokens(fake_token)
+        self.core = EngineCore(scheduler, SimulatedExecutor(fake_token, on_execute=self._run_on_fake_cache))
         self.finished: dict[str, SequenceGroup] = {}
         self.ignored: dict[str, SequenceGroup] = {}
         self.history: list[SchedulerOutputs] = []
@@ -98,8 +100,8 @@ class FakeEngine:
         """Whether the step computed prompts only (no sequence decoded a generated token)."""
         return id(out) in self._prefill_steps
 
-    def step(self) -> SchedulerOutputs:
-        out = self.scheduler.schedule()
+    def _run_on_fake_cache(self, out: SchedulerOutputs) -> None:
+        """The forward pass's effect on the cache: blocks moved, then the step's tokens written."""
         self.history.append(out)
         if self.kv is not None:
             self.kv.apply(out)
@@ -113,7 +115,10 @@ class FakeEngine:
                     self.kv.write(seq, num_tokens)
         if out.scheduled_seq_groups and not decoded:
             self._prefill_steps.add(id(out))
-        result = self.scheduler.postprocess(out, self.sink)
+
+    def step(self) -> SchedulerOutputs:
+        step = self.core.step()
+        out, result = step.sched, step.result
         assert not result.failed, result.failed
         for group in result.groups_with_tokens:
             self.first_token_step.setdefault(group.request_id, len(self.history))

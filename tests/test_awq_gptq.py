@@ -21,7 +21,7 @@ from oracle import hf_greedy
 from requirements_here import require
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.cpu_gemm import PackableLinear
+from pagedllm.layers.cpu_gemm import PackableLinear
 from pagedllm.models.loader import build_model, load_model_config
 from pagedllm.quantization.apply import packed_weight_bytes
 from pagedllm.quantization.awq_gptq import (
@@ -391,7 +391,7 @@ def test_load_errors(tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match="AWQ checkpoints of model_type 'gpt_neox' are not supported"):
         load_model_config(str(neox_dir))
     # Tensor parallelism cannot split act-order inputs (o_proj / down_proj are row-parallel).
-    from pagedllm.distributed.parallel_state import override_tp_state
+    from pagedllm.layers.parallel_state import override_tp_state
 
     config = load_model_config(quant_dir)
     with override_tp_state(0, 2), pytest.raises(ValueError, match="desc_act"):
@@ -409,7 +409,7 @@ def test_tensor_parallel_shards(tokenizer_dir, tmp_path):
     """Each of 2 ranks holds its rows (column-parallel) or its inputs (row-parallel) of the packed
     weights, cut on block boundaries: a group of 128 split over 2 ranks takes blocks of 64; and two
     ranks' greedy output equals transformers'."""
-    from pagedllm.distributed.parallel_state import override_tp_state
+    from pagedllm.layers.parallel_state import override_tp_state
 
     quant_dir, float_dir = str(tmp_path / "quant"), str(tmp_path / "float")
     os.makedirs(quant_dir)

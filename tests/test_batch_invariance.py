@@ -133,7 +133,7 @@ def _linears(kernel_level) -> dict[str, object]:
     """Every product a linear layer can take at this level, as f(x) for float32 x [rows, 512]."""
     from test_quantized import _packed
 
-    from pagedllm.models.cpu_gemm import OneDNNWeight, PanelWeight
+    from pagedllm.layers.cpu_gemm import OneDNNWeight, PanelWeight
     from pagedllm.quantization.int8_tiles import tile_for_int8
     from pagedllm.quantization.kernels import packed_linear
 

@@ -1,4 +1,4 @@
-"""The packed linear paths (models/cpu_gemm.py: oneDNN, our panel kernel) against F.linear and the torch path."""
+"""The packed linear paths (layers/cpu_gemm.py: oneDNN, our panel kernel) against F.linear and the torch path."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import KernelConfig, cpu_kernels, use_kernel_config
-from pagedllm.models import build_model, load_model_config
-from pagedllm.models.cpu_gemm import (
+from pagedllm.layers.cpu_gemm import (
     GatedPanelWeight,
     OneDNNWeight,
     PackableLinear,
@@ -19,6 +18,7 @@ from pagedllm.models.cpu_gemm import (
     pack_linears,
     panels_supported,
 )
+from pagedllm.models import build_model, load_model_config
 
 ONEDNN = torch.backends.mkldnn.is_available()
 

@@ -21,7 +21,7 @@ import pytest
 from pagedllm.config import EngineArgs
 from pagedllm.core.block_manager import BlockSpaceManager
 from pagedllm.core.policies import ContiguousBlockManager
-from pagedllm.core.snapshot import CACHED, FREE, OWNED, SHARED, SWAPPED, take_snapshot
+from pagedllm.engine.snapshot import CACHED, FREE, OWNED, SHARED, SWAPPED, take_snapshot
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
 from pagedllm.entrypoints.dashboard.routes import render_page
 from pagedllm.entrypoints.dashboard.series import LatencyWindow

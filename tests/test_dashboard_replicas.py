@@ -18,12 +18,12 @@ from fastapi.testclient import TestClient
 from test_dashboard import BS, admit, fake_scheduler, make_group
 
 from pagedllm.core.block_manager import BlockSpaceManager
-from pagedllm.core.snapshot import FREE, SHARED, take_snapshot
-from pagedllm.distributed.replica_errors import ReplicaUnavailableError
+from pagedllm.engine.snapshot import FREE, SHARED, take_snapshot
 from pagedllm.entrypoints.dashboard import replica_views
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
 from pagedllm.entrypoints.dashboard.merge import merge_snapshots
 from pagedllm.entrypoints.dashboard.routes import add_dashboard_routes
+from pagedllm.serving.replica_errors import ReplicaUnavailableError
 
 KV_INFO = {"kv_cache_dtype": "auto", "kv_cache_storage": "float32", "kv_bytes_per_token": 512,
            "kv_block_bytes": 512 * BS, "kv_gpu_pool_bytes": 512 * BS * 16, "kv_cpu_pool_bytes": 0}

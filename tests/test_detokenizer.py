@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from requirements_here import require
 
-from pagedllm.detokenizer import detokenize_incrementally
-from pagedllm.engine.stop_checker import check_stop
+from pagedllm.core.stop_checker import check_stop
+from pagedllm.engine.detokenizer import detokenize_incrementally
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
 

@@ -23,8 +23,8 @@ from conftest import assert_no_leaks
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.messages import StepDecoder, StepEncoder
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.executor.messages import StepDecoder, StepEncoder
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import SeqStepInput, StepInput

@@ -6,8 +6,8 @@ import pytest
 import torch
 from requirements_here import require_kernels
 
-from pagedllm.models import fused_ops
-from pagedllm.models.layers import ActAndMul, GemmaRMSNorm, RMSNorm, get_activation
+from pagedllm.layers import fused_ops
+from pagedllm.layers.norms_and_activations import ActAndMul, GemmaRMSNorm, RMSNorm, get_activation
 from pagedllm.models.rotary import apply_rotary, rotate_heads
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -27,7 +27,7 @@ from test_models import PagedBatch, make_caches
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import PagedAttention
 from pagedllm.models import build_model, load_model_config
-from pagedllm.models.layer_stack import _layer_qualifies
+from pagedllm.models.layer_program import layer_program
 from pagedllm.models.moe import ClampedSwiGLU, SparseMoE
 from pagedllm.quantization.formats import MXFP4, dequantize
 from pagedllm.quantization.kernels import cpu_kernels_serve, packed_linear
@@ -111,8 +111,9 @@ def test_settings_reach_the_layers(gpt_oss_dir: str) -> None:
         expert = moe.experts[0]
         assert isinstance(expert.act_and_mul, ClampedSwiGLU) and expert.act_and_mul.limit == SWIGLU_LIMIT
         assert expert.gate_up_proj.bias is not None and expert.down_proj.bias is not None
-        # Sinks, MoE: the C++ layer loop refuses these layers (its kernels compute neither).
-        assert not _layer_qualifies(layer)
+        # Sinks, MoE: the C++ layer loop refuses these layers (its kernels compute neither), and says so.
+        gaps = layer_program(layer, list(model.model.rotary), torch.float32).gaps
+        assert any("sinks" in gap for gap in gaps) and any("mixture of experts" in gap for gap in gaps), gaps
     assert not attn.attn.cpu_kernels_apply  # the C++ attention kernels do not take sinks
 
 
@@ -205,7 +206,7 @@ def test_engine_greedy_equals_transformers(gpt_oss_dir: str) -> None:
 
 def test_tensor_parallel_rank_holds_its_heads_sinks(gpt_oss_dir: str) -> None:
     """Under tensor parallelism each rank's attention holds the sinks of its own heads."""
-    from pagedllm.distributed.parallel_state import override_tp_state
+    from pagedllm.layers.parallel_state import override_tp_state
     from pagedllm.models.decoder import DecoderForCausalLM
 
     hf_model = load_hf(gpt_oss_dir)

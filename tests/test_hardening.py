@@ -262,7 +262,7 @@ def test_hostile_sampling_params_raise_before_scheduling_or_complete(llm, refere
 def test_stop_holdback_and_stop_check_look_only_at_the_tail():
     """The issue's 10,000 x 400-char stop list made each streamed chunk cost O(stops x len^2): /health
     stalled. Capped and tail-only, the largest allowed list on a long text costs milliseconds."""
-    from pagedllm.engine.stop_checker import check_stop
+    from pagedllm.core.stop_checker import check_stop
     from pagedllm.sequence import Sequence
 
     stops = [f"{i:03d}" + "ab" * ((MAX_STOP_STRING_CHARS - 3) // 2) for i in range(MAX_STOP_STRINGS)]

@@ -10,7 +10,8 @@ from test_sharing import BS
 from pagedllm import LLM
 from pagedllm.attention import PagedAttention, key_offset
 from pagedllm.attention.key_offset import CALIBRATION_TOKENS, KeyStatistics, calibrate_key_offsets, offset_layers
-from pagedllm.attention.kv_quant import FORMATS, roundtrip
+from pagedllm.attention.kv_quant import roundtrip
+from pagedllm.kv_cache_format import FORMATS
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,20 @@ from test_attention import _make_case, case_metadata, reference_attention
 
 from pagedllm.attention import PagedAttention, write_to_cache
 from pagedllm.attention.kv_quant import (
-    FORMATS,
     dequantize_rows,
     hadamard,
     hadamard_block,
-    kv_format,
     quantize_rows,
     rotation_shifts,
     roundtrip,
+    storage_dtype,
 )
-from pagedllm.config import KV_CACHE_DTYPES, CacheConfig
+from pagedllm.config import CacheConfig
 from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx
+from pagedllm.kv_cache_format import FORMATS, parse_kv_cache_dtype
 
-QUANTIZED = list(FORMATS)
+QUANTIZED = [name for name, fmt in FORMATS.items() if fmt.quantized]
 
 
 def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,14 +39,12 @@ def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> t
 
 
 def test_names_follow_vllm() -> None:
-    assert kv_format("fp8").name == "fp8_e4m3"
-    assert kv_format("auto") is None
-    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert parse_kv_cache_dtype("fp8").name == "fp8_e4m3"
+    assert not parse_kv_cache_dtype("auto").quantized
+    config = CacheConfig(kv_cache_dtype="fp8")
+    assert config.kv_cache_dtype == "fp8_e4m3" and config.kv_cache_format is FORMATS["fp8_e4m3"]
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="fp16")
-    from pagedllm.entrypoints.engine_flags import _KV_CACHE_DTYPES
-
-    assert _KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 
 def _value_bounds(name: str, y: torch.Tensor) -> torch.Tensor:
@@ -72,7 +70,7 @@ def test_reference_roundtrip_error_is_bounded(name: str) -> None:
     fmt = FORMATS[name]
     x = _states(7, 3, 64)
     rows = quantize_rows(x, fmt)
-    assert rows.dtype == fmt.storage and rows.shape == (7, 3, fmt.row_bytes(64))
+    assert rows.dtype == storage_dtype(fmt) and rows.shape == (7, 3, fmt.row_bytes(64))
     write, read = rotation_shifts(64)
     y = hadamard(x) * 2.0 ** -write
     bound = _value_bounds(name, y).norm(dim=-1) * math.sqrt(hadamard_block(64)) * 2.0 ** -read
@@ -124,7 +122,7 @@ def _check_cache_write(name: str, dtype: torch.dtype, with_offset: bool) -> None
     fmt = FORMATS[name]
     blocks, block_size, heads, dim, tokens = 6, 4, 3, 64, 5
     row = fmt.row_bytes(dim)
-    k_cache = torch.zeros(blocks, block_size, heads, row, dtype=torch.uint8).view(fmt.storage)
+    k_cache = torch.zeros(blocks, block_size, heads, row, dtype=torch.uint8).view(storage_dtype(fmt))
     v_cache = k_cache.clone()
     qkv = _states(tokens, 4 * heads * dim, dtype=dtype)
     key = qkv[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)

@@ -12,8 +12,8 @@ from test_models import TINY, PagedBatch, make_caches
 from pagedllm.kernels import cpu_kernels, kernel_config, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx_supported
 from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL, FLOAT_ROWS, INT8_TILED, QUANT_BLOCKS
+from pagedllm.layers.cpu_gemm import cpu_gemm_path, panels_supported
 from pagedllm.models import build_model, load_model_config
-from pagedllm.models.cpu_gemm import cpu_gemm_path, panels_supported
 from pagedllm.models.layer_stack import LayerStack
 from pagedllm.quantization.int8_tiles import int8_tiling_reason
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from requirements_here import require
 
+from pagedllm.layers.cpu_gemm import cpu_has_fast_bf16
 from pagedllm.models import build_model, get_model_class, load_model_config, load_tokenizer, loader, resolve_model_path
-from pagedllm.models.cpu_gemm import cpu_has_fast_bf16
 from pagedllm.models.gguf_loader import read_gguf
 from pagedllm.models.loader import DEFAULT_GGUF_NAME, iter_weights, list_weight_files
 from pagedllm.models.registry import supported_architectures

@@ -23,7 +23,7 @@ NUM_BLOCKS = 32
 
 def make_caches(model_config, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE):
     """Each layer's pools as the model declares them: K and V, or DeepSeek's one latent row."""
-    from pagedllm.attention.kv_spec import kv_cache_spec
+    from pagedllm.models.registry import kv_cache_spec
 
     spec = kv_cache_spec(model_config)
     shape = (num_blocks, block_size, spec.num_heads, spec.head_dim)

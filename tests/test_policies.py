@@ -18,8 +18,9 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_manager import AllocStatus
 from pagedllm.core.buddy import BuddyAllocator, order_of
 from pagedllm.core.policies import ContiguousBlockManager, reservation_tokens
-from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.token_sink import ScriptedTokens
+from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.executor.simulated import SimulatedExecutor
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.fake_engine import fake_token
@@ -136,13 +137,13 @@ def test_contiguous_regrows_and_copies_when_the_oracle_is_wrong() -> None:
 
 
 class FakeEngine:
-    """Scheduler + fake KV + token rule; works with any block manager through get_block_table."""
+    """The engine core over a fake KV + token rule; works with any block manager through get_block_table."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.bm = scheduler.block_manager
         self.kv: dict[int, tuple] = {}  # slot -> token prefix
-        self.sink = ScriptedTokens(fake_token)
+        self.core = EngineCore(scheduler, SimulatedExecutor(fake_token, on_execute=self._run_on_fake_kv))
         self.finished: dict[str, SequenceGroup] = {}
         self.max_running = 0
 
@@ -155,8 +156,7 @@ class FakeEngine:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return self.bm.get_block_table(seq)[pos // BS] * BS + pos % BS
 
-    def step(self) -> None:
-        out = self.scheduler.schedule()
+    def _run_on_fake_kv(self, out: SchedulerOutputs) -> None:
         for src, dst in out.blocks_to_copy:
             for offset in range(BS):
                 self.kv[dst * BS + offset] = self.kv.get(src * BS + offset)
@@ -169,7 +169,9 @@ class FakeEngine:
                     assert self.kv[self._slot(seq, pos)] == tuple(tokens[: pos + 1])
                 for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                     self.kv[self._slot(seq, pos)] = tuple(tokens[: pos + 1])
-        result = self.scheduler.postprocess(out, self.sink)
+
+    def step(self) -> None:
+        result = self.core.step().result
         assert not result.failed, result.failed
         for group in result.groups_with_tokens:
             if group.is_finished():

@@ -13,7 +13,7 @@ from gguf_models import Q4_K_M, random_kquant, write_tiny_llama_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import use_kernel_config
-from pagedllm.models.cpu_gemm import PackableLinear
+from pagedllm.layers.cpu_gemm import PackableLinear
 from pagedllm.models.loader import build_model, load_model_config
 from pagedllm.quantization import formats
 from pagedllm.quantization.apply import packed_weight_bytes
@@ -220,7 +220,7 @@ def test_tensor_parallel_shards_of_packed_weights(gguf_dir, tokenizer_dir):
 
 
 def test_tensor_parallel_refuses_a_split_inside_a_block(gguf_dir, tokenizer_dir):
-    from pagedllm.distributed.parallel_state import override_tp_state
+    from pagedllm.layers.parallel_state import override_tp_state
 
     path = _gguf(gguf_dir, tokenizer_dir, "Q6_K", "Q6_K")  # 256-value blocks; o_proj's 256 inputs / 2 ranks
     config = load_model_config(path)

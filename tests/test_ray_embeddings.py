@@ -14,8 +14,8 @@ from test_ray_replicas import _metric
 from test_server import ServerThread
 
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.serving.data_parallel import DataParallelConfig
 
 MODEL = "tiny-embed"
 

@@ -19,9 +19,9 @@ import pytest
 from test_server import ServerThread
 
 from pagedllm.config import EngineArgs
-from pagedllm.distributed import data_parallel
-from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.serving import data_parallel
+from pagedllm.serving.data_parallel import DataParallelConfig, DataParallelUnavailableError
 
 MODEL = "tiny"
 BLOCK_SIZE = 16

@@ -20,8 +20,8 @@ from test_server import ServerThread
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.serving.data_parallel import DataParallelConfig
 
 MODEL = "tiny"
 PROMPTS = ["The quick brown fox", "A block table maps", "Hello, world!", "def main():"]
@@ -90,7 +90,7 @@ def test_tp2_spread_over_two_nodes_answers_as_one_engine(ray_cluster, model_dir,
 
 
 def test_a_group_that_cannot_be_placed_is_refused_with_what_it_asked(ray_cluster, model_dir, monkeypatch):
-    from pagedllm.distributed.replica_frontend import ReplicatedEngine
+    from pagedllm.serving.replica_frontend import ReplicatedEngine
 
     monkeypatch.setenv("PAGEDLLM_TP_TIMEOUT", "3")
     config = DataParallelConfig(data_parallel_size=1, distributed_executor_backend="ray")

@@ -1,13 +1,13 @@
-"""The data-parallel router (pagedllm/core/router.py): prefix stickiness, load balance, failures."""
+"""The data-parallel router (pagedllm/serving/router.py): prefix stickiness, load balance, failures."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm.core import BlockSpaceManager
-from pagedllm.core.router import PrefixRouter, make_router, prompt_block_hashes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup
+from pagedllm.serving.router import PrefixRouter, make_router, prompt_block_hashes
 
 BS = 4
 SYSTEM_PROMPT = list(range(1000, 1016))  # 4 full blocks shared by a conversation's turns
@@ -127,7 +127,7 @@ def test_router_module_imports_no_torch() -> None:
     import ast
     import pathlib
 
-    import pagedllm.core.router as module
+    import pagedllm.serving.router as module
 
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)

@@ -17,8 +17,6 @@ from pagedllm.config import (
     check_setting_names,
     setting,
 )
-from pagedllm.distributed import data_parallel
-from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.engine_flags import (
     add_engine_args,
@@ -29,6 +27,8 @@ from pagedllm.entrypoints.engine_flags import (
 )
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.serve_cli import add_server_args, server_settings
+from pagedllm.serving import data_parallel
+from pagedllm.serving.data_parallel import DataParallelConfig
 
 FIELD_NAMES = [spec.name for spec in dataclasses.fields(EngineArgs)]
 

@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from pagedllm.config import CacheConfig
 from pagedllm.simulator import (
     POLICIES,
     CostModel,
@@ -159,11 +160,6 @@ def test_simulate_cli(tmp_path, capsys) -> None:
 
 
 def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None:
-    import torch
-
-    from pagedllm.attention import kv_quant
-    from pagedllm.simulator.model_shapes import kv_row_bytes
-
     opt = get_model_shape("opt-13b")  # 40 layers x 40 KV heads, head_dim 128, fp16
     per_row = {"auto": 256, "int8": 128 + 2, "fp8": 128 + 2, "fp8_e5m2": 128 + 2, "int4": 64 + 4 * 4}
     for name, row in per_row.items():
@@ -172,14 +168,12 @@ def test_kv_cache_dtype_sets_bytes_per_token_as_the_engine_stores_them() -> None
         assert shape.kv_bytes_per_token == 2 * 40 * 40 * row
     assert get_model_shape("opt-13b", "fp8").kv_cache_dtype == "fp8_e4m3"
     assert opt.with_kv_cache_dtype("int8").kv_bytes_per_token == 416000  # 406.25 KiB instead of 800 KiB
-    # The simulator restates kv_quant's row layouts (it must not import torch): they must agree.
-    for name, fmt in kv_quant.FORMATS.items():
-        for head_dim in (32, 64, 96, 128, 256):
-            assert kv_row_bytes(name, head_dim, 2) == fmt.row_bytes(head_dim)
-    for name in ("auto", "int8", "int4"):  # the default model, float32 as the preset says
+    # The default model (30 layers x 3 KV heads, head_dim 64, float32 as the preset says): the
+    # simulator reads the same KVCacheFormat the engine's pool is sized by.
+    for name, row in {"auto": 64 * 4, "int8": 64 + 2, "int4": 32 + 2 * 4}.items():
         small = get_model_shape("smollm2-135m", name)
-        expected = kv_quant.kv_bytes_per_token(kv_quant.kv_format(name), 64, 3, 30, torch.float32)
-        assert small.kv_bytes_per_token == expected
+        assert small.kv_bytes_per_token == 2 * 30 * 3 * row
+        assert small.kv_cache_format is CacheConfig(kv_cache_dtype=name).kv_cache_format
     odd = {"hidden_size": 480, "num_attention_heads": 10, "num_hidden_layers": 2, "vocab_size": 100}  # head_dim 48
     assert shape_from_hf_config(odd, kv_cache_dtype="int8").kv_row_bytes == 50
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedllm.core.router import make_router
+from pagedllm.serving.router import make_router
 from pagedllm.simulator import (
     CostModel,
     SimConfig,

@@ -121,8 +121,8 @@ def test_replicas_refuse_a_foreign_draft_before_ray_starts(tiny_model_factory) -
     the front end (a ValueError the server reports) instead of dying inside an actor."""
     ray = require("ray")
     from pagedllm.config import EngineArgs
-    from pagedllm.distributed.data_parallel import DataParallelConfig
-    from pagedllm.distributed.replica_launch import start_replicas
+    from pagedllm.serving.data_parallel import DataParallelConfig
+    from pagedllm.serving.replica_launch import start_replicas
 
     args = EngineArgs(model=tiny_model_factory("llama"), speculative_config=draft_config(default_model_path()),
                       **SETTINGS)

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import SpeculativeConfig
+from pagedllm.core.speculator import Speculator
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.sequence import Sequence, SequenceGroup
-from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.structured import StructuredOutputManager
 
 SETTINGS = dict(block_size=4, num_kv_blocks=96, device="cpu", dtype="float32", num_threads=1,

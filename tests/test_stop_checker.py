@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.engine.stop_checker import check_stop
+from pagedllm.core.stop_checker import check_stop
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
 

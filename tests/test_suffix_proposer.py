@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pagedllm.spec_decode.suffix import SuffixProposer, _Node
+from pagedllm.core.suffix_proposer import SuffixProposer, _Node
 
 # A real code file and an edited copy, tokenized by character: an "edit this file" conversation.
 CODE = '''def order_of(size: int) -> int:

@@ -21,8 +21,8 @@ from conftest import assert_no_leaks
 from oracle import hf_greedy
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.parallel_state import get_tp_world_size, override_tp_state
 from pagedllm.kernels import use_kernel_config
+from pagedllm.layers.parallel_state import get_tp_world_size, override_tp_state
 from pagedllm.models.loader import build_model, load_model_config
 
 # A lost collective fails the test in seconds instead of the default two minutes.
@@ -151,7 +151,7 @@ def test_indivisible_heads_are_refused(llama_dir):
 
 
 def test_control_message_sends_block_table_changes_only():
-    from pagedllm.distributed.messages import StepDecoder, StepEncoder
+    from pagedllm.executor.messages import StepDecoder, StepEncoder
     from pagedllm.sampling import SamplingRow
     from pagedllm.worker.model_runner import SeqStepInput, StepInput
 

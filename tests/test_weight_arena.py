@@ -10,8 +10,8 @@ from test_layer_stack import MIXED, _build, _step_logits
 from test_models import TINY
 
 from pagedllm.kernels import use_kernel_config
+from pagedllm.layers.cpu_gemm import panels_supported
 from pagedllm.models import build_model, load_model_config
-from pagedllm.models.cpu_gemm import panels_supported
 from pagedllm.models.weight_arena import _weight_slots
 
 pytestmark = pytest.mark.kernels

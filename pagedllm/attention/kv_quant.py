@@ -35,77 +35,27 @@ identically (the same float32 operations in the same order) and are tested again
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pagedllm.config import canonical_kv_cache_dtype
-
-INT4_GROUP = 32
-_SCALE_BYTES = 2  # a float16 scale: values are quantized against it as stored
+from pagedllm.kv_cache_format import FORMATS, INT4_GROUP, KVCacheFormat
 
 
-@dataclass(frozen=True)
-class KVFormat:
-    """One quantized KV format: its name, the pool's dtype and how a value is bounded."""
-
-    name: str
-    storage: torch.dtype
-    bits: int
-    max_value: float  # the largest |x / scale| stored (int8, fp8); unused for int4
-
-    @property
-    def integer_grid(self) -> bool:
-        """Values on an evenly spaced grid (int8, int4): one step for a whole row or group, so a bias
-        the keys share widens every value's step (attention/key_offset.py takes it out). A float8
-        value's step follows its own magnitude instead."""
-        return self.storage in (torch.int8, torch.uint8)
-
-    def row_bytes(self, head_dim: int) -> int:
-        """Bytes of one (token, KV head) row: values and scales."""
-        if self.bits == 4:
-            return head_dim // 2 + head_dim // INT4_GROUP * 2 * 2
-        return head_dim + _SCALE_BYTES
+def storage_dtype(fmt: KVCacheFormat) -> torch.dtype:
+    """The torch dtype a quantized format's pool is stored as."""
+    return getattr(torch, fmt.storage)
 
 
-FORMATS: dict[str, KVFormat] = {
-    "int8": KVFormat("int8", torch.int8, 8, 127.0),
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 8, 448.0),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 8, 57344.0),
-    "int4": KVFormat("int4", torch.uint8, 4, 15.0),
-}
-_BY_STORAGE = {fmt.storage: fmt for fmt in FORMATS.values()}
+_BY_STORAGE = {storage_dtype(fmt): fmt for fmt in FORMATS.values() if fmt.quantized}
 
 
-def kv_format(kv_cache_dtype: str) -> KVFormat | None:
-    """The format of a ``kv_cache_dtype`` setting (vLLM's names), None for "auto" (the model dtype)."""
-    name = canonical_kv_cache_dtype(kv_cache_dtype)
-    return None if name == "auto" else FORMATS[name]
-
-
-def cache_format(cache: torch.Tensor) -> KVFormat | None:
-    """The format a pool (or a view of it) holds, from its dtype; None for a float cache."""
+def cache_format(cache: torch.Tensor) -> KVCacheFormat | None:
+    """The quantized format a pool (or a view of it) holds, from its dtype; None for a float cache."""
     return _BY_STORAGE.get(cache.dtype)
 
 
-def check_head_dim(fmt: KVFormat | None, head_dim: int) -> None:
-    if fmt is not None and fmt.bits == 4 and head_dim % INT4_GROUP:
-        raise ValueError(
-            f"kv_cache_dtype='int4' needs a head size that is a multiple of {INT4_GROUP}, this model's is "
-            f"{head_dim}; use 'int8' or 'fp8'."
-        )
-
-
-def kv_pool_row(fmt: KVFormat | None, head_dim: int) -> int:
-    """The last axis of a pool: head_dim for a float cache, the row bytes of a quantized one."""
-    return head_dim if fmt is None else fmt.row_bytes(head_dim)
-
-
-def kv_bytes_per_token(fmt: KVFormat | None, head_dim: int, num_kv_heads: int, num_layers: int,
-                       model_dtype: torch.dtype) -> int:
-    """K and V of one token over all layers."""
-    row = model_dtype.itemsize * head_dim if fmt is None else fmt.row_bytes(head_dim)
-    return 2 * num_layers * num_kv_heads * row
+def pool_storage(fmt: KVCacheFormat, model_dtype: torch.dtype) -> torch.dtype:
+    """What a pool of ``fmt`` is allocated as: the model dtype for "auto"."""
+    return storage_dtype(fmt) if fmt.quantized else model_dtype
 
 
 def hadamard_block(head_dim: int) -> int:
@@ -148,12 +98,12 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
 
 
-def quantize_rows(x: torch.Tensor, fmt: KVFormat, offset: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor, fmt: KVCacheFormat, offset: torch.Tensor | None = None) -> torch.Tensor:
     """[..., D] float states -> [..., row_bytes] rows of ``fmt`` (in its storage dtype). ``offset``
     (float32, broadcast over the leading axes: [Hkv, D] per KV head) is subtracted first: the rows
     hold ``x - offset`` (see attention/key_offset.py)."""
     head_dim = x.shape[-1]
-    check_head_dim(fmt, head_dim)
+    fmt.check_head_dim(head_dim)
     write_shift, _ = rotation_shifts(head_dim)
     x = x.float()
     if offset is not None:
@@ -171,8 +121,9 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat, offset: torch.Tensor | None = 
         return torch.cat([packed.flatten(-2), params.flatten(-2)], -1)
     scale = (x.abs().amax(-1, keepdim=True) * _reciprocal(fmt.max_value)).clamp(max=65504).half()
     scaled = (x * _inverse(scale.float())).clamp(-fmt.max_value, fmt.max_value)
-    values = scaled.round().to(torch.int8) if fmt.storage == torch.int8 else scaled.to(fmt.storage)
-    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], -1).view(fmt.storage)
+    storage = storage_dtype(fmt)
+    values = scaled.round().to(torch.int8) if storage == torch.int8 else scaled.to(storage)
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], -1).view(storage)
 
 
 def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -186,12 +137,14 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
         params = data[..., head_dim // 2 :].contiguous().view(torch.float16).unflatten(-1, (groups, 2)).float()
         rotated = (q * params[..., 0:1] + params[..., 1:2]).flatten(-2)
     else:
-        values = data[..., :head_dim].view(fmt.storage).float()
+        values = data[..., :head_dim].view(storage_dtype(fmt)).float()
         rotated = values * data[..., head_dim:].contiguous().view(torch.float16).float()
     return (hadamard(rotated) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
 
 
-def roundtrip(x: torch.Tensor, fmt: KVFormat | None, offset: torch.Tensor | None = None) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, fmt: KVCacheFormat | None, offset: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` as a cache of ``fmt`` gives it back (x itself for a float cache); with an ``offset``,
     ``x - offset`` is what comes back."""
-    return x if fmt is None else dequantize_rows(quantize_rows(x, fmt, offset), x.shape[-1], x.dtype)
+    if fmt is None or not fmt.quantized:
+        return x
+    return dequantize_rows(quantize_rows(x, fmt, offset), x.shape[-1], x.dtype)

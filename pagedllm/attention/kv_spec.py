@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.attention.kv_quant import kv_bytes_per_token, kv_format
+from pagedllm.kv_cache_format import KVCacheFormat
 
 if TYPE_CHECKING:
-    from pagedllm.config import ModelConfig
+    pass
 
 
 @dataclass(frozen=True)
@@ -33,28 +33,8 @@ class KVCacheSpec:
     def is_latent(self) -> bool:
         return self.num_pools == 1
 
-    def bytes_per_token(self, kv_cache_dtype: str, num_layers: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(self, fmt: KVCacheFormat, num_layers: int, dtype: torch.dtype) -> int:
         """Bytes one token takes over all layers and pools, scales included."""
-        fmt = kv_format(kv_cache_dtype)
         if not self.is_latent:
-            return kv_bytes_per_token(fmt, self.head_dim, self.num_heads, num_layers, dtype)
+            return fmt.bytes_per_token(self.head_dim, self.num_heads, num_layers, dtype.itemsize)
         return num_layers * self.num_heads * self.head_dim * dtype.itemsize
-
-
-def kv_cache_spec(model_config: ModelConfig, num_kv_heads: int | None = None,
-                  kv_cache_dtype: str = "auto") -> KVCacheSpec:
-    """The spec the model's class declares, else K and V of ``num_kv_heads`` heads (this rank's under
-    tensor parallelism). ValueError for a quantized ``kv_cache_dtype`` with a latent cache: the
-    quantized formats and their kernels read per-head K and V rows."""
-    from pagedllm.models.registry import get_model_class  # models import attention: not at module level
-
-    declared = getattr(get_model_class(model_config.architecture), "kv_cache_spec", None)
-    if declared is None:
-        return KVCacheSpec(2, num_kv_heads or model_config.num_kv_heads, model_config.head_dim)
-    spec: KVCacheSpec = declared(model_config.hf_config)
-    if spec.is_latent and kv_format(kv_cache_dtype) is not None:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {model_config.architecture}, whose cache "
-            "holds one latent row per token (multi-head latent attention); use kv_cache_dtype='auto'."
-        )
-    return spec

@@ -52,10 +52,10 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.core.interface import AllocationPlanLike, BlockManager
 from pagedllm.core.policies import ContiguousBlockManager
+from pagedllm.core.speculator import Speculator
 from pagedllm.core.token_sink import TokenSink
 from pagedllm.core.waste import WasteTracker
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedllm.spec_decode import Speculator
 
 
 @dataclass

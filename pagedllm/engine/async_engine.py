@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagedllm.pooling_outputs import PoolingRequestOutput
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
@@ -124,7 +124,7 @@ def engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     """Run an LLMEngine in the background and stream each request's outputs to a coroutine."""
 
     def __init__(
@@ -296,22 +296,6 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             else:
                 self.abort(request_id)
-
-    async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """add_request + stream_outputs: validation errors raise on the first iteration."""
-        await self.add_request(request_id, prompt, params, arrival_time)
-        async for output in self.stream_outputs(request_id):
-            yield output
-
-    async def encode(
-        self, prompt: Any, params: PoolingParams, request_id: str, arrival_time: float | None = None
-    ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        """A pooling request (vLLM's name): one PoolingRequestOutput, its ``outputs.data`` the embedding."""
-        await self.add_request(request_id, prompt, params, arrival_time)
-        async for output in self.stream_outputs(request_id):
-            yield output  # type: ignore[misc]
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next iteration of the loop (frees its blocks); safe to call twice."""

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.detokenizer import detokenize_incrementally
-from pagedllm.engine.stop_checker import check_stop
+from pagedllm.core.stop_checker import check_stop
+from pagedllm.engine.detokenizer import detokenize_incrementally
 from pagedllm.sampling.logprob_rank import ranked_entry, vocab_ranks
 from pagedllm.sampling.penalties import apply_presence_frequency_penalties, apply_repetition_penalty, token_counts
 from pagedllm.sampling_params import SamplingParams

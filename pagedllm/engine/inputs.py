@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -46,14 +47,6 @@ def parse_prompt(prompt: PromptType, tokenizer: Any, vocab_size: int) -> tuple[s
     if bad:
         raise ValueError(f"Token id {bad[0]} is out of the vocabulary range [0, {vocab_size}).")
     return text, token_ids
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; ``param`` names the request field to change (for a 400's param)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # A priority is a sort key: the int64 range (what a priority is elsewhere, Ray's messages and vLLM's

@@ -16,20 +16,23 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.kv_quant import kv_format
-from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, num_samples
-from pagedllm.detokenizer import detokenize_incrementally
+from pagedllm.core.speculator import DRAFT_FROM_MODEL
+from pagedllm.core.stop_checker import check_stop
 from pagedllm.engine.beam_search import BeamSearcher, ranked_outputs
-from pagedllm.engine.inputs import InvalidRequestError, PromptType, check_priority, check_request, parse_prompt
-from pagedllm.engine.stop_checker import check_stop
+from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.inputs import PromptType, check_priority, check_request, parse_prompt
+from pagedllm.errors import InvalidRequestError
+from pagedllm.executor.model_executor import ModelExecutor, make_model_executor
 from pagedllm.kernels.report import kernel_summary
+from pagedllm.layers.parallel_layers import local_num_kv_heads
 from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
-from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.pooler_config import PoolerConfig, resolve_runner
 from pagedllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling import SamplingRow
+from pagedllm.sampling import SamplerOutput, SamplingRow
 from pagedllm.sampling.sampler import rewind_generator
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import (
@@ -39,14 +42,13 @@ from pagedllm.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
-from pagedllm.spec_decode.draft_model import load_draft_model_config
-from pagedllm.spec_decode.speculator import DRAFT_FROM_MODEL
 from pagedllm.step_timing import StepTimer
 from pagedllm.structured import StructuredOutputManager
 from pagedllm.worker.cache_engine import pool_block_bytes
+from pagedllm.worker.draft_model import load_draft_model_config
 from pagedllm.worker.model_runner import SeqStepInput, StepInput
 from pagedllm.worker.pooler import accumulate, finish
-from pagedllm.worker.worker import Worker, resolve_device
+from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -85,29 +87,10 @@ class LLMEngine:
         self.seed = seed
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.tensor_parallel_size = tensor_parallel_size
-        worker_class: Any = Worker
-        worker_kwargs: dict[str, Any] = {}
-        if draft_model_config is not None:
-            if tensor_parallel_size > 1:
-                raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
-            worker_kwargs["draft_model_config"] = draft_model_config
-        if tensor_parallel_size > 1:
-            # Same interface as Worker; rank 0 (here) broadcasts each step to ranks 1..N-1.
-            from pagedllm.distributed.executor import MultiprocExecutor
-
-            worker_class, worker_kwargs = MultiprocExecutor, {
-                "world_size": tensor_parallel_size, "backend": distributed_executor_backend or "mp",
-                "placement_strategy": placement_group_strategy,
-            }
-        self.worker = worker_class(
-            model_config,
-            cache_config,
-            device,
-            self.eos_token_id,
-            scheduler_config.max_num_batched_tokens,
-            seed=seed,
-            num_threads=num_threads,
-            **worker_kwargs,
+        self.worker: ModelExecutor = make_model_executor(
+            model_config, cache_config, device, self.eos_token_id, scheduler_config.max_num_batched_tokens,
+            seed, num_threads, tensor_parallel_size, distributed_executor_backend, placement_group_strategy,
+            draft_model_config,
         )
         self.num_gpu_blocks = self.worker.num_gpu_blocks
         self.num_cpu_blocks = self.worker.num_cpu_blocks
@@ -132,11 +115,11 @@ class LLMEngine:
         # Per-phase step timing for --profile; the runner times its own phases when in this process.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         self.step_timer = StepTimer(sync)
-        runner = getattr(self.worker, "runner", None)
-        if runner is not None:
-            runner.step_timer = self.step_timer
+        # One step: schedule -> self.execute (the model) -> scheduler.postprocess (engine_core.py).
+        self.core = EngineCore(self.scheduler, self, self.step_timer)
+        self._early_outputs: list[RequestOutput] = []
         # Without a runner in this process (tensor parallelism) the whole execution counts as "forward".
-        self._runner_timed = runner is not None
+        self._runner_timed = self.worker.attach_step_timer(self.step_timer)
         self.kv_cache_info = kv_cache_info(
             model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, tensor_parallel_size,
             draft_model_config,
@@ -150,6 +133,8 @@ class LLMEngine:
             self.num_gpu_blocks, self.num_cpu_blocks, cache_config.block_size,
             format_bytes(info["kv_gpu_pool_bytes"]), format_bytes(info["kv_cpu_pool_bytes"]),
         )
+        self.layer_placement = self.worker.layer_placement()
+        logger.info("Layers: %s", self.layer_placement)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -166,7 +151,7 @@ class LLMEngine:
         if args.tokenizer:
             model_config.tokenizer_path = resolve_tokenizer_path(args.tokenizer, args.download_dir)
         tokenizer = load_tokenizer(model_config)
-        speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        speculative_config = args.speculative_config  # parsed by EngineArgs
         draft_model_config = None
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_model_config = load_draft_model_config(
@@ -323,24 +308,10 @@ class LLMEngine:
         an error (``RequestOutput.error``, ``failed``) and frees its blocks; only a failure of the
         step itself (scheduling, the forward pass, the worker) propagates, and is fatal.
         """
-        timer = self.step_timer
-        with timer.phase("schedule"):
-            sched = self.scheduler.schedule()
-        outputs: list[RequestOutput | PoolingRequestOutput] = []
-        with timer.phase("prepare_inputs"):
-            step_input = self._build_step_input(sched, outputs)
-        if self._runner_timed:  # the worker and runner time their own phases
-            sampler_output = self.worker.execute(step_input)
-        else:
-            with timer.phase("forward"):
-                sampler_output = self.worker.execute(step_input)
-        self.num_steps += 1
-        with timer.phase("process_outputs"):
-            self._add_prompt_logprobs(sched, getattr(sampler_output, "prompt_logprobs", None))
-            self._take_model_drafts(sched, getattr(sampler_output, "model_draft_token_ids", None))
-            self._take_pooled(sched, getattr(sampler_output, "pooled", None))
-            sink = _SamplerTokens(self, sampler_output)
-            result = self.scheduler.postprocess(sched, sink)
+        step = self.core.step()
+        sched, result, sink = step.sched, step.result, step.sink
+        outputs, self._early_outputs = self._early_outputs, []
+        with self.step_timer.phase("process_outputs"):
             now = time.time()
             for group in result.groups_with_tokens:
                 metrics = group.metrics
@@ -364,6 +335,26 @@ class LLMEngine:
                 outputs.append(self._make_output(group))
                 self._forget(group)
         return outputs
+
+    def execute(self, sched: SchedulerOutputs) -> _SamplerTokens:
+        """The engine core's executor: the step's input built, the worker's forward pass run, and its
+        sampler output (prompt logprobs, model drafts, pooled states taken first) as the step's sink.
+        Requests that fail or end while the input is built wait in ``_early_outputs`` for ``step``."""
+        timer = self.step_timer
+        with timer.phase("prepare_inputs"):
+            step_input = self._build_step_input(sched, self._early_outputs)
+        if self._runner_timed:  # the worker and runner time their own phases
+            sampler_output = self.worker.execute(step_input)
+        else:
+            with timer.phase("forward"):
+                sampler_output = self.worker.execute(step_input)
+        self.num_steps += 1
+        with timer.phase("process_outputs"):
+            self._add_prompt_logprobs(sched, sampler_output.prompt_logprobs)
+            self._take_model_drafts(sched, sampler_output.model_draft_token_ids)
+            self._take_pooled(sched, sampler_output.pooled)
+        return _SamplerTokens(sampler_output, self.tokenizer, self.eos_token_id, self.max_seq_len, self._generators,
+                              self.beam_searcher)
 
     def _build_step_input(self, sched: SchedulerOutputs, early_outputs: list[RequestOutput]) -> StepInput:
         """The worker's input; requests that failed or ended while preparing go to ``early_outputs``."""
@@ -630,16 +621,12 @@ class LLMEngine:
             steps=self.num_steps,
         )
         stats.update(self.structured_outputs.stats())
-        comm_stats = getattr(self.worker, "comm_stats", None)
-        if comm_stats is not None:  # tensor parallelism: time in collectives, control message size
-            stats.update(comm_stats())
+        stats.update(self.worker.comm_stats())  # tensor parallelism: time in collectives, control message size
         return stats
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (idempotent; a single-process engine has nothing to stop)."""
-        shutdown = getattr(self.worker, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.worker.shutdown()
 
 
 def kv_cache_info(
@@ -654,14 +641,14 @@ def kv_cache_info(
     rank's share under tensor parallelism (each rank holds its own KV heads); a draft model's layers,
     which share each block, are counted in.
     """
-    fmt = kv_format(cache_config.kv_cache_dtype)
+    fmt = cache_config.kv_cache_format
     num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, tensor_parallel_size)
     # MLA's latent row and the draft's layers included.
     block_bytes = pool_block_bytes(model_config, cache_config, model_config.dtype, num_kv_heads, draft_model_config)
     per_token = block_bytes // cache_config.block_size
     return {
-        "kv_cache_dtype": cache_config.kv_cache_dtype,
-        "kv_cache_storage": str(model_config.dtype).removeprefix("torch.") if fmt is None else fmt.name,
+        "kv_cache_dtype": fmt.name,
+        "kv_cache_storage": fmt.name if fmt.quantized else str(model_config.dtype).removeprefix("torch."),
         "kv_bytes_per_token": per_token,
         "kv_block_bytes": block_bytes,
         "kv_gpu_pool_bytes": block_bytes * num_gpu_blocks,
@@ -688,12 +675,20 @@ def format_bytes(num_bytes: float) -> str:
 
 
 class _SamplerTokens:
-    """The engine's TokenSink: one step's sampler output turned into tokens, text and stops."""
+    """The engine's TokenSink: one step's sampler output turned into tokens, text and stops.
 
-    def __init__(self, engine: LLMEngine, sampler_output: Any) -> None:
-        self.engine = engine
+    It is handed what it reads (the tokenizer, the stop settings, the requests' generators, the
+    beam searcher), never the engine."""
+
+    def __init__(self, sampler_output: SamplerOutput, tokenizer: Any, eos_token_id: int | None, max_seq_len: int,
+                 generators: dict[str, torch.Generator], beam_searcher: BeamSearcher) -> None:
         self.output = sampler_output
-        self.failed_rows: dict[int, BaseException] = getattr(sampler_output, "failed_rows", None) or {}
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_seq_len = max_seq_len
+        self.generators = generators
+        self.beam_searcher = beam_searcher
+        self.failed_rows: dict[int, BaseException] = sampler_output.failed_rows
         self.stage = "sampling"
         # What was being done for a request when its processing raised, for the error message.
         self.failed_stages: dict[str, str] = {}
@@ -708,20 +703,20 @@ class _SamplerTokens:
         try:
             self._check_rows([row])
             self.stage = "processing its output"
-            output, params, engine = self.output, group.sampling_params, self.engine
+            output, params = self.output, group.sampling_params
             top = output.top_logprobs[row] if params.logprobs is not None else None
             seq.append_token(output.token_ids[row], output.logprobs[row], top)
             self.stage = "detokenizing"
-            new_text = detokenize_incrementally(engine.tokenizer, seq, params)
+            new_text = detokenize_incrementally(self.tokenizer, seq, params)
             self.stage = "checking stop conditions"
-            check_stop(seq, params, len(new_text), engine.eos_token_id, engine.max_seq_len)
+            check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
         except Exception:
             self.failed_stages[group.request_id] = self.stage
             raise
 
     def drafts_verified(self, group: SequenceGroup, first_row: int, num_rows_used: int) -> None:
         state = self.output.generator_states.get(first_row)
-        generator = self.engine._generators.get(group.request_id)
+        generator = self.generators.get(group.request_id)
         # Parallel samples share the request's generator and draw in turn: taking one sample's
         # draws back would hand its numbers to the others. They keep every draw (still exact in
         # distribution, reproducible), only a lone sequence is rewound.
@@ -732,7 +727,7 @@ class _SamplerTokens:
         try:
             self._check_rows(rows)
             self.stage = "scoring beams"
-            return self.engine.beam_searcher.step(group, beams, self.output.full_logprobs[rows])
+            return self.beam_searcher.step(group, beams, self.output.full_logprobs[rows])
         except Exception:
             self.failed_stages[group.request_id] = self.stage
             raise

@@ -20,7 +20,6 @@ from typing import Any
 
 # pagedllm.config imports no torch (the package imports it first anyway), so --help stays quick.
 from pagedllm.config import ENGINE_ARG_GROUPS, EngineArgs, parse_bytes
-from pagedllm.config import KV_CACHE_DTYPES as _KV_CACHE_DTYPES  # noqa: F401  (tests compare it with config's)
 
 HUB_FIELDS = ("revision", "download_dir", "gguf_file")
 _OTHER_GROUP = ENGINE_ARG_GROUPS[-1]

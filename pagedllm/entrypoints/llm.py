@@ -28,7 +28,7 @@ class LLM:
     kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8" or "int4":
     the KV cache in 8 or 4 bits, so the same memory holds ~1.94x / ~3.2x the tokens of bfloat16.
     tensor_parallel_size: split the model over this many processes (ranks); they start here, or
-    come from torchrun (see pagedllm.distributed). Stop them with ``llm.llm_engine.shutdown()``
+    come from torchrun (see pagedllm/executor/multiproc.py). Stop them with ``llm.llm_engine.shutdown()``
     (they also stop when this process exits).
 
     Every keyword is a field of EngineArgs (pagedllm/config.py, with its help and default; the same

@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 from pagedllm.config import SERVER_ARG_GROUPS
-from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
 from pagedllm.entrypoints.engine_flags import (
     add_engine_args,
     add_field_flag,
@@ -22,6 +21,7 @@ from pagedllm.entrypoints.engine_flags import (
     engine_args_from_cli,
 )
 from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.serving.data_parallel import DataParallelConfig, DataParallelUnavailableError
 
 
 def add_server_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:

@@ -15,7 +15,7 @@ import json
 import sys
 
 from pagedllm.config import KV_CACHE_DTYPES
-from pagedllm.core.router import ROUTER_POLICIES
+from pagedllm.serving.router import ROUTER_POLICIES
 from pagedllm.simulator import (
     HARDWARE_PRESETS,
     MODEL_SHAPES,
@@ -55,7 +55,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=1,
                         help="data-parallel engines, each with the whole --hardware and KV pool")
     parser.add_argument("--router", default="prefix", choices=ROUTER_POLICIES,
-                        help="which replica gets each request (pagedllm/core/router.py); with --replicas > 1")
+                        help="which replica gets each request (pagedllm/serving/router.py); with --replicas > 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.set_defaults(func=run_simulate)

@@ -14,6 +14,14 @@ DECODE_KERNEL, CHUNKED_KERNEL, AMX_KERNEL = 0, 1, 2
 PANEL, GATED_PANEL, INT8_TILED, QUANT_BLOCKS, FLOAT_ROWS = range(5)
 # The kernel applying act(gate) * up after an ungated gate/up product, by its Python name.
 ACTIVATION_CODES = {"silu_and_mul": 0, "gelu_and_mul": 1, "gelu_tanh_and_mul": 2}
+# A plain MLP's activation (torch's function) by its HF name.
+PLAIN_ACTIVATION_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "gelu_fast": 2,
+                          "relu": 3}
+# A layer's wiring, its norms' kind, its q/k norms and its MLP (stack_codes in csrc/kernels.h).
+PRE_NORM, SANDWICH, POST_NORM, PARALLEL, PARALLEL_SHARED = range(5)
+RMS, GEMMA_RMS, LAYER_NORM = range(3)
+NO_QK_NORM, QK_HEAD, QK_PROJECTION, QK_HEADS = range(4)
+GATED_MLP, PLAIN_MLP = range(2)
 
 _EXPECTED = {
     "DECODE_KERNEL": DECODE_KERNEL,
@@ -27,6 +35,21 @@ _EXPECTED = {
     "SILU": ACTIVATION_CODES["silu_and_mul"],
     "GELU": ACTIVATION_CODES["gelu_and_mul"],
     "GELU_TANH": ACTIVATION_CODES["gelu_tanh_and_mul"],
+    "RELU": PLAIN_ACTIVATION_CODES["relu"],
+    "PRE_NORM": PRE_NORM,
+    "SANDWICH": SANDWICH,
+    "POST_NORM": POST_NORM,
+    "PARALLEL": PARALLEL,
+    "PARALLEL_SHARED": PARALLEL_SHARED,
+    "RMS": RMS,
+    "GEMMA_RMS": GEMMA_RMS,
+    "LAYER_NORM": LAYER_NORM,
+    "NO_QK_NORM": NO_QK_NORM,
+    "QK_HEAD": QK_HEAD,
+    "QK_PROJECTION": QK_PROJECTION,
+    "QK_HEADS": QK_HEADS,
+    "GATED_MLP": GATED_MLP,
+    "PLAIN_MLP": PLAIN_MLP,
 }
 
 

@@ -23,7 +23,7 @@ Each CPU kernel whose arithmetic depended on the step's row counts computes ever
   padded gather was the cost) and slower for a DeepSeek-V3-shaped latent layer (0.42 s vs 0.26 s;
   8 decodes 78 vs 42 ms).
 - MoE routers (GPT-OSS, Qwen-MoE, DeepSeek), plain float linears kept out of packing: through the
-  panel kernel (models/cpu_gemm.py ``row_invariant_linear``); DeepSeek's router sigmoid in float64.
+  panel kernel (layers/cpu_gemm.py ``row_invariant_linear``); DeepSeek's router sigmoid in float64.
 
 The panel kernels (float32 and bfloat16), int8 dot products, norms, rotary and greedy choice
 compute each row independently of the others (tests/test_batch_invariance.py checks every linear

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.models.layers import WeightLoader
-from pagedllm.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, lm_logits
+from pagedllm.layers.norms_and_activations import WeightLoader
+from pagedllm.layers.parallel_layers import ParallelLMHead, VocabParallelEmbedding, lm_logits
 
 
 class CausalLM(nn.Module):

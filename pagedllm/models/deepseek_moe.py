@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.cpu_gemm import GatedPanelWeight, row_invariant_linear
-from pagedllm.models.layers import ActAndMul
+from pagedllm.layers.cpu_gemm import GatedPanelWeight, row_invariant_linear
+from pagedllm.layers.norms_and_activations import ActAndMul
+from pagedllm.layers.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.models.moe import run_routed_experts
-from pagedllm.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 
 
 class DeepseekMLP(nn.Module):

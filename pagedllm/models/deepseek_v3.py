@@ -30,11 +30,11 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.kv_spec import KVCacheSpec
 from pagedllm.attention.mla import MultiHeadLatentAttention
-from pagedllm.distributed.parallel_state import get_tp_state
+from pagedllm.layers.norms_and_activations import RMSNorm
+from pagedllm.layers.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pagedllm.layers.parallel_state import get_tp_state
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.deepseek_moe import DeepseekMLP, DeepseekMoE
-from pagedllm.models.layers import RMSNorm
-from pagedllm.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pagedllm.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 Rope = tuple[torch.Tensor, torch.Tensor]

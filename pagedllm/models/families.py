@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.models.layers import get_activation
+from pagedllm.layers.norms_and_activations import get_activation
 from pagedllm.models.rotary import check_rope, head_dim_of, rope_layer_key
 
 

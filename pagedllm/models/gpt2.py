@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.layers import get_activation
-from pagedllm.models.mha import MultiHeadAttention
-from pagedllm.models.parallel_layers import (
+from pagedllm.layers.norms_and_activations import get_activation
+from pagedllm.layers.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.mha import MultiHeadAttention
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # HF's attention names -> the shared attention's (HF stores q, k, v stacked in one c_attn tensor;

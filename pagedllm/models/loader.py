@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.cpu_gemm import cpu_has_fast_bf16, pack_linears
-from pagedllm.models.families import layer_windows
+from pagedllm.layers.cpu_gemm import cpu_has_fast_bf16, pack_linears
+from pagedllm.models.families import FAMILIES, layer_windows
 from pagedllm.models.hub import is_hub_id
 from pagedllm.models.registry import get_model_class, resolve_architecture
 from pagedllm.models.weight_arena import move_weights_to_arena
@@ -182,6 +182,17 @@ def _parse_quantization(quantization: str | None, is_gguf: bool, path: str) -> t
     return method, group_size
 
 
+
+def _check_packed_checkpoint_family(hf_config: Any, method: str) -> None:
+    """Refuse an AWQ / GPTQ checkpoint of a family whose loader reshapes float weights."""
+    model_type = getattr(hf_config, "model_type", "")
+    family = FAMILIES.get(model_type)
+    reshaped = family is not None and (family.qkv_per_head or getattr(family, "rope_interleaved", False))
+    if model_type == "gpt2" or reshaped:
+        # Their loaders transpose (GPT-2's Conv1D) or reorder rows (GPT-NeoX's per-head qkv, interleaved
+        # rope's q/k channels) of float tensors, which a packed weight does not take.
+        raise ValueError(f"{method.upper()} checkpoints of model_type {model_type!r} are not supported.")
+
 def load_model_config(
     model: str | None,
     dtype: str | torch.dtype = "auto",
@@ -205,10 +216,12 @@ def load_model_config(
         list_weight_files(path)  # fail now, not after the tokenizer and the KV cache are set up
     architecture = resolve_architecture(hf_config)
     if gguf_file is None:  # an AWQ / GPTQ / MXFP4 checkpoint's config says so itself
-        from pagedllm.quantization.awq_gptq import resolve_checkpoint_quantization
+        from pagedllm.quantization.awq_gptq import CHECKPOINT_METHODS, resolve_checkpoint_quantization
         from pagedllm.quantization.mxfp4 import resolve_mxfp4
 
         method = resolve_mxfp4(hf_config, method, path) or resolve_checkpoint_quantization(hf_config, method, path)
+        if method in CHECKPOINT_METHODS:
+            _check_packed_checkpoint_family(hf_config, method)
     check_config = getattr(get_model_class(architecture), "check_config", None)
     if check_config is not None:  # refuse unsupported variants now, before anything is allocated
         check_config(hf_config)
@@ -338,7 +351,7 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     weights = _iter_safetensors(files) if files[0].endswith(".safetensors") else _iter_torch_bin(files)
     if model_config.quantization in ("awq", "gptq"):
         # Each layer's qweight / qzeros / scales (/ g_idx) become one packed weight as they are read.
-        from pagedllm.distributed.parallel_state import get_tp_state
+        from pagedllm.layers.parallel_state import get_tp_state
         from pagedllm.quantization.awq_gptq import checkpoint_quantization, iter_converted_weights
 
         quant = checkpoint_quantization(model_config.hf_config)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
-from pagedllm.models.parallel_layers import QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.parallel_layers import QKVParallelLinear, RowParallelLinear
 
 
 class MultiHeadAttention(nn.Module):

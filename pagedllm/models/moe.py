@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import all_reduce
-from pagedllm.models.cpu_gemm import GatedPanelWeight, dense, row_invariant_linear
+from pagedllm.layers.cpu_gemm import GatedPanelWeight, dense, row_invariant_linear
+from pagedllm.layers.norms_and_activations import ActAndMul
+from pagedllm.layers.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.parallel_state import all_reduce
 from pagedllm.models.families import DecoderSettings
-from pagedllm.models.layers import ActAndMul
-from pagedllm.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.quantization.packed import PackedTensor
 
 

@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.cpu_gemm import PackableLinear
-from pagedllm.models.layers import get_activation
-from pagedllm.models.mha import MultiHeadAttention
-from pagedllm.models.parallel_layers import (
+from pagedllm.layers.cpu_gemm import PackableLinear
+from pagedllm.layers.norms_and_activations import get_activation
+from pagedllm.layers.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.mha import MultiHeadAttention
 
 # OPT's position table has 2 extra rows in front (a fairseq legacy): position p is row p + 2.
 POSITION_OFFSET = 2

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from pagedllm.attention.kv_spec import KVCacheSpec
+from pagedllm.kv_cache_format import AUTO, KVCacheFormat
 from pagedllm.models.families import FAMILIES
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
 
 # architecture name -> (module under pagedllm.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -52,3 +57,20 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     module_name, class_name = _MODELS[architecture]
     module = importlib.import_module(f"pagedllm.models.{module_name}")
     return getattr(module, class_name)
+
+
+def kv_cache_spec(model_config: ModelConfig, num_kv_heads: int | None = None,
+                  kv_cache_format: KVCacheFormat = AUTO) -> KVCacheSpec:
+    """The spec the model's class declares, else K and V of ``num_kv_heads`` heads (this rank's under
+    tensor parallelism). ValueError for a quantized ``kv_cache_format`` with a latent cache: the
+    quantized formats and their kernels read per-head K and V rows."""
+    declared = getattr(get_model_class(model_config.architecture), "kv_cache_spec", None)
+    if declared is None:
+        return KVCacheSpec(2, num_kv_heads or model_config.num_kv_heads, model_config.head_dim)
+    spec: KVCacheSpec = declared(model_config.hf_config)
+    if spec.is_latent and kv_cache_format.quantized:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_format.name!r} is not supported for {model_config.architecture}, whose cache "
+            "holds one latent row per token (multi-head latent attention); use kv_cache_dtype='auto'."
+        )
+    return spec

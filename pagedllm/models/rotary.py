@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models import fused_ops
+from pagedllm.layers import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # Older config spellings of the same variants.

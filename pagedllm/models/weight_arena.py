@@ -6,7 +6,7 @@ whatever pages the allocator hands out while loading churns through temporaries,
 physical pages end up scattered: measured on a 2-core AMX Xeon (a VM), the default model's 30
 bfloat16 gate/up weights at 64 rows took 12-15 ms in the pages they were packed into, 10-11 ms
 in fresh copies or in huge pages, the physical pages of the copies being in long runs and those
-of the originals in runs of a few pages. One mapping in huge pages (pagedllm/huge_pages.py) holds
+of the originals in runs of a few pages. One mapping in huge pages (pagedllm/kernels/huge_pages.py) holds
 every packed weight back to back, so the layout no longer depends on the load's history.
 
 What moves: our panel-packed float weights (linear layers and the LM head) and the row segments of
@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.huge_pages import huge_page_buffer, huge_pages_enabled
-from pagedllm.models.cpu_gemm import PanelWeight
+from pagedllm.kernels.huge_pages import huge_page_buffer, huge_pages_enabled
+from pagedllm.layers.cpu_gemm import PanelWeight
 from pagedllm.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.models.cpu_gemm import PackableLinear
-from pagedllm.models.parallel_layers import VocabParallelEmbedding
+from pagedllm.layers.cpu_gemm import PackableLinear
+from pagedllm.layers.parallel_layers import VocabParallelEmbedding
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 

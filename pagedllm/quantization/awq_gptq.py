@@ -130,15 +130,6 @@ def resolve_checkpoint_quantization(hf_config: Any, requested: str | None, path:
             f"{path!r} is a {quant.method.upper()} checkpoint, already quantized: leave quantization unset "
             f"(or pass {quant.method!r}), not {requested!r}."
         )
-    from pagedllm.models.families import FAMILIES
-
-    model_type = getattr(hf_config, "model_type", "")
-    family = FAMILIES.get(model_type)
-    reshaped = family is not None and (family.qkv_per_head or getattr(family, "rope_interleaved", False))
-    if model_type == "gpt2" or reshaped:
-        # Their loaders transpose (GPT-2's Conv1D) or reorder rows (GPT-NeoX's per-head qkv, interleaved
-        # rope's q/k channels) of float tensors, which a packed weight does not take.
-        raise ValueError(f"{quant.method.upper()} checkpoints of model_type {model_type!r} are not supported.")
     return quant.method
 
 

@@ -7,27 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from pagedllm.config import canonical_kv_cache_dtype
-
-# The stored formats' row layouts, as attention/kv_quant.py defines them (KVFormat.row_bytes);
-# restated here because the simulator must not import torch.
-_KV_SCALE_BYTES = 2  # 8-bit formats: one float16 scale per (token, KV head) row
-_KV_INT4_GROUP = 32  # int4: values per group, each group with a float16 scale and a float16 minimum
-_KV_INT4_GROUP_BYTES = 4
-
-
-def kv_row_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of one (token, KV head) row of K or V: the model dtype's values ("auto") or a quantized
-    row with its scales, equal to kv_quant.KVFormat.row_bytes (int8 / fp8: D + 2, int4: D / 2 + 4 D / 32)."""
-    name = canonical_kv_cache_dtype(kv_cache_dtype)
-    if name == "auto":
-        return head_dim * dtype_bytes
-    if name == "int4":
-        if head_dim % _KV_INT4_GROUP:
-            raise ValueError(f"kv_cache_dtype='int4' needs a head size that is a multiple of {_KV_INT4_GROUP}, "
-                             f"got {head_dim}; use 'int8' or 'fp8'.")
-        return head_dim // 2 + head_dim // _KV_INT4_GROUP * _KV_INT4_GROUP_BYTES
-    return head_dim + _KV_SCALE_BYTES
+from pagedllm.kv_cache_format import KVCacheFormat, parse_kv_cache_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +26,15 @@ class ModelShape:
     # How the KV cache is stored (vLLM's names, as EngineArgs.kv_cache_dtype): "auto" keeps the
     # model dtype; weights and activations stay in the model dtype whatever this says.
     kv_cache_dtype: str = "auto"
+    kv_cache_format: KVCacheFormat = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Canonical name ("fp8" -> "fp8_e4m3") and an early error for an unusable format.
-        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
-        kv_row_bytes(self.kv_cache_dtype, self.head_dim, self.dtype_bytes)
+        # Parsed once (kv_cache_format.py): the canonical name ("fp8" -> "fp8_e4m3"), an early error
+        # for an unusable format.
+        fmt = parse_kv_cache_dtype(self.kv_cache_dtype)
+        fmt.check_head_dim(self.head_dim)
+        object.__setattr__(self, "kv_cache_format", fmt)
+        object.__setattr__(self, "kv_cache_dtype", fmt.name)
 
     def with_kv_cache_dtype(self, kv_cache_dtype: str) -> ModelShape:
         """The same model with its KV cache stored as ``kv_cache_dtype``."""
@@ -69,7 +53,7 @@ class ModelShape:
     @property
     def kv_row_bytes(self) -> int:
         """One (token, KV head) row of K or V in the chosen KV format, scales included."""
-        return kv_row_bytes(self.kv_cache_dtype, self.head_dim, self.dtype_bytes)
+        return self.kv_cache_format.row_bytes(self.head_dim, self.dtype_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:

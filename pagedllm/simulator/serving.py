@@ -1,15 +1,16 @@
 """The simulated serving loop: the REAL core scheduler and block manager, a cost-model clock.
 
-Each iteration does what LLMEngine.step does, minus the model: requests whose Poisson arrival
-time has passed are queued, ``Scheduler.schedule()`` decides the step (any policy, sharing,
-preemption, chunked prompts), the cost model turns the step's contents into seconds, the clock
-advances, and ``Scheduler.postprocess`` does the engine's bookkeeping, every sequence that
+Each iteration is LLMEngine's step, the engine core's (engine/engine_core.py), with a
+SimulatedExecutor in the model's place: requests whose Poisson arrival time has passed are queued,
+``Scheduler.schedule()`` decides the step (any policy, sharing, preemption, chunked prompts), the
+cost model turns the step's contents into seconds, the clock advances, and, when the clock reaches
+the step's end, ``Scheduler.postprocess`` does the engine's bookkeeping, every sequence that
 sampled getting one token (parallel samples fork when the prompt is done, exactly as in the
 engine). A request ends when its sequences reach the trace's output length. When nothing can
 run, the clock jumps to the next arrival.
 
 Data parallelism: ``SimConfig.num_replicas`` independent engines, each a full copy of the above
-(hardware, KV pool, scheduler, clock), with a ``core.router`` policy sending each request, at its
+(hardware, KV pool, scheduler, clock), with a router policy (serving/router.py) sending each request, at its
 arrival, to one of them; events of all replicas run in time order.
 
 Results are labelled ``simulated``. Normalized latency = mean over requests of (end-to-end
@@ -23,12 +24,13 @@ import statistics
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.router import Router, make_router
 from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
-from pagedllm.core.token_sink import ScriptedTokens
 from pagedllm.core.waste import CATEGORIES
+from pagedllm.engine.engine_core import CoreStep, EngineCore
+from pagedllm.executor.simulated import SimulatedExecutor
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.serving.router import Router, make_router
 from pagedllm.simulator.cost_model import CostModel, StepFeatures
 from pagedllm.simulator.hardware import HardwareSpec
 from pagedllm.simulator.model_shapes import ModelShape
@@ -167,11 +169,13 @@ class _Replica:
         self.cost_model = cost_model
         self.scheduler = make_scheduler(config, kv_allocation, batching)
         self.tracker = self.scheduler.waste_tracker
-        self.sink = ScriptedTokens(sample_index_token)
+        self.executor = SimulatedExecutor(
+            sample_index_token, lambda sched: cost_model.step_time(step_features(sched, config.block_size)))
+        self.core = EngineCore(self.scheduler, self.executor)
         self.clock = 0.0
         self.blocked = False  # nothing could run: it waits for its next request
         self.inbox: list[_Request] = []  # routed here, queued at the next step boundary
-        self.step_in_flight: SchedulerOutputs | None = None  # ends at self.clock
+        self.step_in_flight: CoreStep | None = None  # ends at self.clock
         self.live: dict[str, _Request] = {}
         self.num_steps = 0
         self.weighted_batch = 0.0
@@ -193,7 +197,7 @@ class _Replica:
         """Finish the step in flight, queue the inbox, schedule and time the next step."""
         scheduler = self.scheduler
         if self.step_in_flight is not None:
-            for group in scheduler.postprocess(self.step_in_flight, self.sink).groups_with_tokens:
+            for group in self.core.finish(self.step_in_flight).result.groups_with_tokens:
                 if group.is_finished():
                     request = self.live.pop(group.request_id)
                     request.finish_time = self.clock
@@ -206,8 +210,9 @@ class _Replica:
             self.live[request.trace.request_id] = request
             scheduler.add_seq_group(request.group)
         self.inbox.clear()
-        out = scheduler.schedule()
-        for group in out.ignored_seq_groups:
+        step = self.core.begin()
+        out = step.sched
+        for group in step.ignored:
             request = self.live.pop(group.request_id)
             request.finish_time = self.clock
         if out.is_empty():
@@ -216,7 +221,7 @@ class _Replica:
             elif not out.ignored_seq_groups:
                 raise RuntimeError("simulation stuck: requests wait but nothing can run")
             return
-        dt = self.cost_model.step_time(step_features(out, self.config.block_size))
+        dt = self.executor.last_step_time
         if self.tracker is not None:
             self.tracker.reweight_last(dt)
         self.clock += dt
@@ -225,17 +230,19 @@ class _Replica:
         self.weighted_batch += dt * len(out.scheduled_seq_groups)
         if self.num_steps > self.config.max_steps:
             raise RuntimeError("simulation did not finish: the scheduler is stuck")
-        self.step_in_flight = out
+        self.step_in_flight = step
 
 
-def _make_request(trace: TraceRequest, prompt: list[int], seq_id: int, block_size: int, max_len: int) -> _Request:
+def trace_group(trace: TraceRequest, prompt: list[int], seq_id: int, block_size: int, max_len: int) -> SequenceGroup:
+    """A trace request as the scheduler queues it: its prompt, and its output length as ``max_tokens``
+    (cut to what ``max_len`` leaves; also the oracle policy's known length)."""
     seq = Sequence(seq_id, prompt, block_size)
     output_len = max(1, min(trace.output_len, max_len - trace.prompt_len))
     params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
                             ignore_eos=True)
     group = SequenceGroup(trace.request_id, [seq], params, arrival_time=trace.arrival_time)
     group.oracle_output_len = output_len
-    return _Request(trace, group)
+    return group
 
 
 def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimConfig,
@@ -273,7 +280,7 @@ def simulate(requests: list[TraceRequest], cost_model: CostModel, config: SimCon
                 router.record(chosen, prompt)
             replica = replicas[chosen]
             seq_id = replica.scheduler.next_seq_id()
-            replica.deliver(_make_request(trace, prompt, seq_id, bs, max_len), trace.arrival_time)
+            replica.deliver(_Request(trace, trace_group(trace, prompt, seq_id, bs, max_len)), trace.arrival_time)
             next_arrival += 1
             continue
         if stepping is None:

@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from pagedllm.engine.inputs import InvalidRequestError
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
 
 # Compiling a large schema takes up to a second: keep recent grammars, keyed by their content.

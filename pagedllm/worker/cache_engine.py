@@ -20,10 +20,11 @@ import logging
 
 import torch
 
-from pagedllm.attention.kv_quant import check_head_dim, kv_format, kv_pool_row
-from pagedllm.attention.kv_spec import kv_cache_spec
+from pagedllm.attention.kv_quant import pool_storage
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.huge_pages import huge_page_buffer, huge_pages_enabled
+from pagedllm.kernels.huge_pages import huge_page_buffer, huge_pages_enabled
+from pagedllm.kv_cache_format import AUTO, KVCacheFormat
+from pagedllm.models.registry import kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,12 @@ _GPU_MEMORY_UTILIZATION = 0.9
 
 def kv_block_bytes(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_format: KVCacheFormat = AUTO,
 ) -> int:
     """Bytes one physical block takes across all layers, K and V (or the latent row a model's spec
     declares), scales included (of this rank's KV heads under tensor parallelism)."""
-    spec = kv_cache_spec(model_config, num_kv_heads, kv_cache_dtype)
-    return block_size * spec.bytes_per_token(kv_cache_dtype, model_config.num_layers, dtype)
+    spec = kv_cache_spec(model_config, num_kv_heads, kv_cache_format)
+    return block_size * spec.bytes_per_token(kv_cache_format, model_config.num_layers, dtype)
 
 
 def pool_block_bytes(
@@ -48,9 +49,9 @@ def pool_block_bytes(
     draft_model_config: ModelConfig | None = None,
 ) -> int:
     """Bytes of one block id across the pool: the target's layers, and the draft model's when there is one."""
-    size = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_dtype)
+    size = kv_block_bytes(model_config, cache_config.block_size, dtype, num_kv_heads, cache_config.kv_cache_format)
     if draft_model_config is not None:
-        size += kv_block_bytes(draft_model_config, cache_config.block_size, dtype, None, cache_config.kv_cache_dtype)
+        size += kv_block_bytes(draft_model_config, cache_config.block_size, dtype, None, cache_config.kv_cache_format)
     return size
 
 
@@ -132,8 +133,7 @@ class CacheEngine:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
-        self.kv_cache_dtype = cache_config.kv_cache_dtype
-        self.kv_format = kv_format(cache_config.kv_cache_dtype)
+        self.kv_format = cache_config.kv_cache_format
         self.gpu_pool, self.cpu_pool, self.kv_caches = self._pools(model_config, num_kv_heads, dtype)
         pools = [(self.gpu_pool, self.cpu_pool)]
         self.draft_kv_caches: list[tuple[torch.Tensor, ...]] | None = None
@@ -151,10 +151,10 @@ class CacheEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, ...]]]:
         """One model's device and CPU pools and, per layer, its views: (K, V), or (latent,) for a
         one-pool spec (K and V pools of num_kv_heads heads, or what the model declares: MLA's latent)."""
-        spec = kv_cache_spec(model_config, num_kv_heads, self.kv_cache_dtype)
-        check_head_dim(self.kv_format, spec.head_dim)
-        row = kv_pool_row(self.kv_format, spec.head_dim)
-        storage = dtype if self.kv_format is None else self.kv_format.storage
+        spec = kv_cache_spec(model_config, num_kv_heads, self.kv_format)
+        self.kv_format.check_head_dim(spec.head_dim)
+        row = self.kv_format.pool_row(spec.head_dim)
+        storage = pool_storage(self.kv_format, dtype)
         shape = (model_config.num_layers, spec.num_pools, 0, self.block_size, spec.num_heads, row)
         gpu_pool = zeroed_kv_pool(shape[:2] + (self.num_gpu_blocks,) + shape[3:], storage, self.device)
         pin = self.device.type == "cuda"

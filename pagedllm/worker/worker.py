@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.attention.key_offset import calibrate_key_offsets
-from pagedllm.attention.kv_quant import kv_format
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.distributed.parallel_state import TensorParallelState, building_with, get_active_tp_state
+from pagedllm.layers.parallel_layers import local_num_kv_heads
+from pagedllm.layers.parallel_state import TensorParallelState, building_with, get_active_tp_state
+from pagedllm.models.decoder import DecoderModel
+from pagedllm.models.layer_stack import stack_report
 from pagedllm.models.loader import build_model
-from pagedllm.models.parallel_layers import local_num_kv_heads
 from pagedllm.sampling import Sampler, SamplerOutput
+from pagedllm.step_timing import StepTimer
 from pagedllm.worker.cache_engine import CacheEngine, decide_num_gpu_blocks, pool_block_bytes
 from pagedllm.worker.model_runner import ModelRunner, StepInput
 
@@ -37,7 +39,7 @@ def resolve_device(device: str) -> torch.device:
 class Worker:
     """One tensor-parallel rank (rank 0 of 1 without tensor parallelism).
 
-    With world_size > 1 the process group must already be set up (pagedllm.distributed): the
+    With world_size > 1 the process group must already be set up (pagedllm.layers.parallel_state): the
     model is built from it as this rank's shard, the KV pool holds this rank's KV heads, and the
     pool's block count is the minimum over ranks, so every rank can store every block id.
     Only rank 0 samples; the others run the forward pass and their part of the logits.
@@ -76,7 +78,7 @@ class Worker:
         if draft_model_config is not None:
             if world_size > 1:
                 raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
-            from pagedllm.spec_decode.draft_model import DraftModelProposer
+            from pagedllm.worker.draft_model import DraftModelProposer
 
             start = time.perf_counter()
             self.drafter = DraftModelProposer(
@@ -110,8 +112,7 @@ class Worker:
             model_config, cache_config, self.num_gpu_blocks, self.num_cpu_blocks, device, dtype, num_kv_heads,
             draft_model_config,
         )
-        fmt = kv_format(cache_config.kv_cache_dtype)
-        if fmt is not None and fmt.integer_grid:
+        if cache_config.kv_cache_format.integer_grid:
             start = time.perf_counter()
             models = [self.model] + ([self.drafter.runner.model] if self.drafter is not None else [])
             max_len = model_config.max_model_len
@@ -119,6 +120,25 @@ class Worker:
             logger.info("key offsets of %d attention layers measured in %.1f s", layers, time.perf_counter() - start)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+
+    def attach_step_timer(self, timer: StepTimer) -> bool:
+        self.runner.step_timer = timer
+        return True
+
+    def comm_stats(self) -> dict[str, float | int]:
+        return {}
+
+    def layer_placement(self) -> str:
+        """Where the model's layers run: the C++ layer loop, or the Python layers and why."""
+        backbone = getattr(self.model, "model", None)
+        if self.device.type != "cpu":
+            return f"Python layers ({self.device.type}: the C++ layer loop is for CPUs)"
+        if not isinstance(backbone, DecoderModel):
+            return f"Python layers ({type(self.model).__name__} is not the decoder the layer programs describe)"
+        return stack_report(backbone)
+
+    def shutdown(self) -> None:
+        """Nothing runs outside this process."""
 
     def execute(self, step: StepInput) -> SamplerOutput:
         # Block moves first: the forward pass must read the blocks where the scheduler put them.

@@ -13,21 +13,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pagedllm.core.snapshot import take_snapshot
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestTiming
+from pagedllm.engine.snapshot import capture_between_steps
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
 from pagedllm.sequence import RequestOutput
-
-
-def engine_counters(engine: Any) -> dict[str, float]:
-    """Cumulative counters the charts turn into rates (read on the engine thread)."""
-    scheduler = engine.scheduler
-    return {
-        "prompt_tokens": getattr(engine, "num_prompt_tokens", 0),
-        "generation_tokens": getattr(engine, "num_generation_tokens", 0),
-        "preemptions": scheduler.num_preempted_by_recompute + scheduler.num_preempted_by_swap,
-        "steps": getattr(engine, "num_steps", 0),
-    }
 
 
 class EngineSource:
@@ -40,15 +29,8 @@ class EngineSource:
     def is_alive(self) -> bool:
         return self.async_engine.is_healthy
 
-    def _capture(self) -> dict[str, Any]:
-        engine = self.async_engine.engine
-        snapshot = take_snapshot(engine.scheduler, getattr(engine, "max_seq_len", None))
-        snapshot["counters"] = engine_counters(engine)
-        return snapshot
-
     async def capture(self) -> dict[str, Any]:
-        self.async_engine.check_alive()  # a dead engine's state is not worth drawing (EngineDeadError)
-        return await self.async_engine.run_in_engine_thread(self._capture)
+        return await capture_between_steps(self.async_engine)
 
 
 def observe_latencies(async_engine: Any, hubs_of: Callable[[RequestOutput], Iterable[DashboardHub]]) -> None:

@@ -1,6 +1,6 @@
 """Several replicas' snapshots as one: their pools side by side, their numbers summed.
 
-The merged snapshot has the shape of one (core/snapshot.py), so the page draws it unchanged: the
+The merged snapshot has the shape of one (engine/snapshot.py), so the page draws it unchanged: the
 device maps are concatenated in replica order (replica 1's block 0 follows replica 0's last
 block), likewise the CPU maps; request indices and shared-block owners are shifted to match, and
 each request names its ``replica``. ``segments`` says where each replica's blocks start. Counts,

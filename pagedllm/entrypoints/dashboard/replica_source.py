@@ -15,15 +15,15 @@ import asyncio
 import time
 from typing import Any, Protocol
 
-from pagedllm.distributed.replica_errors import ReplicaUnavailableError
 from pagedllm.entrypoints.dashboard.hub import source_kv_cache
 from pagedllm.entrypoints.dashboard.merge import merge_snapshots
+from pagedllm.serving.replica_errors import ReplicaUnavailableError
 
 ALL_REPLICAS = "all"  # the view of every replica together
 
 
 class ReplicaSet(Protocol):
-    """What the replica views read off the replicated engine (distributed/replica_frontend.py)."""
+    """What the replica views read off the replicated engine (serving/replica_frontend.py)."""
 
     @property
     def has_stopped(self) -> bool: ...

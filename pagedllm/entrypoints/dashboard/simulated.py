@@ -2,8 +2,8 @@
 
 ``simulator.serving.simulate`` runs a whole trace to the end as fast as it can; the dashboard
 needs the same loop one step at a time, paced so that simulated seconds pass as wall-clock
-seconds (times ``speed``). ``SteppedSimulation`` is that loop (the REAL core scheduler and block
-manager and its ``postprocess``, the cost model's clock), plus what a live picture needs and the
+seconds (times ``speed``). ``SteppedSimulation`` is that loop (the engine core's step over the REAL
+scheduler and block manager, with a SimulatedExecutor's cost-model clock), plus what a live picture needs and the
 batch simulator does not: an optional prompt prefix shared by every request, TTFT / ITL in
 simulated time, and a fresh trace whenever one is used up, so the page never goes still.
 
@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.snapshot import take_snapshot
-from pagedllm.core.token_sink import ScriptedTokens
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.snapshot import take_snapshot
 from pagedllm.entrypoints.dashboard.hub import DashboardHub
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup
+from pagedllm.executor.simulated import SimulatedExecutor
+from pagedllm.sequence import SequenceGroup
 from pagedllm.simulator import CostModel, SimConfig, TraceRequest
-from pagedllm.simulator.serving import POLICIES, make_scheduler, sample_index_token, step_features
+from pagedllm.simulator.serving import POLICIES, make_scheduler, sample_index_token, step_features, trace_group
 
 TraceFactory = Callable[[int], list[TraceRequest]]  # round number -> requests, arrivals from 0
 
@@ -42,7 +42,9 @@ class SteppedSimulation:
         prefix_caching = config.enable_prefix_caching and kv_allocation == "paged"
         live_config = dataclasses.replace(config, track_kv_waste=False, enable_prefix_caching=prefix_caching)
         self.scheduler = make_scheduler(live_config, kv_allocation, batching)
-        self.sink = ScriptedTokens(sample_index_token)
+        self.executor = SimulatedExecutor(
+            sample_index_token, lambda sched: cost_model.step_time(step_features(sched, config.block_size)))
+        self.core = EngineCore(self.scheduler, self.executor)
         self.max_len = min(config.max_model_len, config.num_gpu_blocks * config.block_size)
         self.clock = 0.0
         self.round = 0
@@ -72,13 +74,7 @@ class SteppedSimulation:
         prompt = list(range(prefix_len))
         seq_id = self.scheduler.next_seq_id()
         prompt += [1_000_000 + seq_id * 7919 + i for i in range(trace.prompt_len - prefix_len)]
-        seq = Sequence(seq_id, prompt, bs)
-        output_len = max(1, min(trace.output_len, self.max_len - trace.prompt_len))
-        params = SamplingParams(n=trace.n, max_tokens=output_len, temperature=1.0 if trace.n > 1 else 0.0,
-                                ignore_eos=True)
-        group = SequenceGroup(trace.request_id, [seq], params, arrival_time=trace.arrival_time)
-        group.oracle_output_len = output_len
-        self.scheduler.add_seq_group(group)
+        self.scheduler.add_seq_group(trace_group(trace, prompt, seq_id, bs, self.max_len))
 
     def step(self) -> float:
         """One engine iteration (or an idle jump to the next arrival); returns simulated seconds passed."""
@@ -87,19 +83,19 @@ class SteppedSimulation:
         while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= self.clock:
             self._admit(self.pending[self.next_arrival])
             self.next_arrival += 1
-        out = self.scheduler.schedule()
-        for group in out.ignored_seq_groups:
+        step = self.core.step()
+        for group in step.ignored:
             self._forget(group.request_id)
-        if out.is_empty():
+        if step.sched.is_empty():
             if self.next_arrival < len(self.pending):
                 gap = max(0.0, self.pending[self.next_arrival].arrival_time - self.clock)
                 self.clock += gap
                 return gap
             return 0.0
-        dt = self.cost_model.step_time(step_features(out, self.config.block_size))
+        dt = self.executor.last_step_time
         self.clock += dt
         self.num_steps += 1
-        for group in self.scheduler.postprocess(out, self.sink).groups_with_tokens:
+        for group in step.result.groups_with_tokens:
             self._token_times(group)
             if group.is_finished():
                 self._forget(group.request_id)

@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.defaults import (
@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.template_sandbox import DEFAULT_MAX_CHARS as DEFAULT_TEMPLATE_MAX_CHARS
 from pagedllm.entrypoints.template_sandbox import TemplateLimits
+from pagedllm.serving.data_parallel import DataParallelConfig
 
 logger = logging.getLogger("pagedllm.api")
 
@@ -112,7 +113,7 @@ def build_app(
     requests in flight with an error. ``on_engine_dead`` is called once if the engine fails for
     good (run_server ends the process there); without it the app stays up and answers 503/500.
     ``chat_template``: a file or the template text, used instead of the tokenizer's.
-    ``data_parallel``: engine replicas on Ray behind this app (distributed/replica_frontend.py)
+    ``data_parallel``: engine replicas on Ray behind this app (serving/replica_frontend.py)
     instead of one engine here, when it asks for them.
     ``responses_store_size``, ``responses_store_max_bytes``: how many stored /v1/responses are kept in
     memory (an LRU), and how large they may be in all.
@@ -136,7 +137,7 @@ def build_app(
         names = [model if model else DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
     if engine is None and data_parallel is not None and data_parallel.uses_replicas:
-        from pagedllm.distributed.replica_frontend import ReplicatedEngine
+        from pagedllm.serving.replica_frontend import ReplicatedEngine
 
         async_engine = ReplicatedEngine.from_engine_args(
             engine_args or EngineArgs(), data_parallel, output_observer=metrics.observe_output, on_dead=on_engine_dead
@@ -231,7 +232,7 @@ class _Server(uvicorn.Server):
     Without that, uvicorn's graceful shutdown would wait for every open stream to finish.
     """
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine: EngineClient) -> None:
         super().__init__(config)
         self.async_engine = async_engine
 

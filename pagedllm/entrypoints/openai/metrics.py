@@ -92,7 +92,7 @@ class _EngineStatsCollector(Collector):
             yield from engine_families(stats, ["model_name"], [self.metrics.model_name],
                                        float(self.metrics.requests_in_flight()))
             return
-        # Data-parallel replicas (distributed/replica_frontend.py): every family once, one sample per replica.
+        # Data-parallel replicas (serving/replica_frontend.py): every family once, one sample per replica.
         merged: dict[str, Metric] = {}
         for replica, replica_stats in sorted(replicas.items()):
             for family in engine_families(replica_stats, ["model_name", "replica"],

@@ -278,7 +278,7 @@ class ChatCompletionRequest(SamplingFields):
     store: Bool | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
-    # Requests with one prompt_cache_key go to one data-parallel replica (core/router.py); one
+    # Requests with one prompt_cache_key go to one data-parallel replica (serving/router.py); one
     # engine's automatic prefix caching needs no key. safety_identifier is written to the log line
     # as user is.
     prompt_cache_key: str | None = None

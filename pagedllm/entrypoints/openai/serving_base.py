@@ -18,13 +18,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_engine import (
-    AsyncLLMEngine,
     EngineDeadError,
     RequestAbortedError,
     RequestFailedError,
     RequestRejectedError,
 )
-from pagedllm.engine.inputs import InvalidRequestError
+from pagedllm.engine.engine_client import EngineClient
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sequence import RequestOutput
 from pagedllm.structured import StructuredOutputManager
@@ -128,7 +128,7 @@ def server_tokenizer(tokenizer: Any) -> Any:
 class ServingContext:
     """The server's view of the engine, shared by every handler."""
 
-    async_engine: AsyncLLMEngine
+    async_engine: EngineClient
     served_model_names: list[str]
     model_path: str
     max_model_len: int
@@ -301,7 +301,7 @@ class ServingContext:
         if isinstance(exc, RequestAbortedError):
             return APIError(500, str(exc), code="request_aborted", err_type="server_error")
         if isinstance(exc, EngineDeadError) and getattr(exc, "http_status", None) is not None:
-            # Replicas on Ray (distributed/replica_frontend.py): none live now, or this one failed mid-answer.
+            # Replicas on Ray (serving/replica_frontend.py): none live now, or this one failed mid-answer.
             return APIError(exc.http_status, str(exc), code=getattr(exc, "code", None))
         if isinstance(exc, EngineDeadError):
             if self.async_engine.dead_error is None:

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import SERVER_ARG_GROUPS, EngineArgs, setting
-from pagedllm.distributed.data_parallel import DataParallelConfig
 from pagedllm.entrypoints.openai import defaults
+from pagedllm.serving.data_parallel import DataParallelConfig
 
 SERVER_GROUP, LIMITS_GROUP, CHAT_GROUP = SERVER_ARG_GROUPS[:3]
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -139,10 +139,8 @@ async def final_outputs(
 ) -> list[RequestOutput] | None:
     """The last output of each stream (a non-streaming response); None when the client went away."""
     # The client sees nothing before the end, so an engine front that can rerun a request on
-    # another replica (distributed/replica_frontend.py) may do so however far it had got.
-    buffer_outputs = getattr(ctx.async_engine, "buffer_outputs", None)
-    if buffer_outputs is not None:
-        buffer_outputs(request_ids)
+    # another replica (serving/replica_frontend.py) may do so however far it had got.
+    ctx.async_engine.buffer_outputs(request_ids)
 
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)

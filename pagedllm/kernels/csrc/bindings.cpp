@@ -32,6 +32,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     codes["SILU"] = int64_t(kSilu);
     codes["GELU"] = int64_t(kGelu);
     codes["GELU_TANH"] = int64_t(kGeluTanh);
+    codes["RELU"] = int64_t(kRelu);
+    codes["PRE_NORM"] = int64_t(kPreNorm);
+    codes["SANDWICH"] = int64_t(kSandwich);
+    codes["POST_NORM"] = int64_t(kPostNorm);
+    codes["PARALLEL"] = int64_t(kParallel);
+    codes["PARALLEL_SHARED"] = int64_t(kParallelShared);
+    codes["RMS"] = int64_t(kRms);
+    codes["GEMMA_RMS"] = int64_t(kGemmaRms);
+    codes["LAYER_NORM"] = int64_t(kLayerNorm);
+    codes["NO_QK_NORM"] = int64_t(kNoQkNorm);
+    codes["QK_HEAD"] = int64_t(kQkHead);
+    codes["QK_PROJECTION"] = int64_t(kQkProjection);
+    codes["QK_HEADS"] = int64_t(kQkHeads);
+    codes["GATED_MLP"] = int64_t(kGatedMlp);
+    codes["PLAIN_MLP"] = int64_t(kPlainMlp);
     m.attr("CODES") = codes;
   }
   m.def("kernel_branches", &kernel_branches,
@@ -73,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, "x @ W^T + bias over a panel-packed weight of N rows, K inputs; silu_and_mul: a gated weight (each "
         "panel 16 gate rows, then the 16 up rows of the same outputs), silu(gate) * up returned, N / 2 wide (CPU)", ReleaseGil());
   m.def("run_layer_stack", &run_layer_stack,
-        "A step through Llama-style layers (norms, caches and linear segments per layer), attention by the step's "
-        "plan, the Python layers' kernels in their order; returns (hidden, residual) before the final norm (CPU)",
+        "A step through decoder layers described by their programs (codes, scalars, norms, caches and linear "
+        "segments per layer), attention by the step's plan, the Python layers' kernels in their order; returns "
+        "(hidden, residual or None) before the final norm (CPU)",
         ReleaseGil());
 }

@@ -18,8 +18,19 @@ enum AttentionKernel : int64_t { kDecode = 0, kChunked = 1, kAmx = 2 };
 // How a segment multiplies: our packed panels (plain, or gated with silu(gate) * up fused), int8
 // tiles (int8_linear), packed quantized blocks (quant_linear), or float rows (torch's linear).
 enum LinearKind : int64_t { kPanel = 0, kGatedPanel = 1, kInt8Tiled = 2, kQuantBlocks = 3, kFloatRows = 4 };
-// The act(gate) * up kernel after an ungated gate/up product.
-enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+// The activation of the MLP: act(gate) * up after an ungated gate/up product, or act(x) in a plain
+// MLP (relu: plain MLPs only).
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3 };
+// How a layer's blocks are wired (models/decoder_layer.py's DecoderLayer.forward): norms before
+// each block (Llama), Gemma's sandwich, OLMo 2's norms after each block, GPT-NeoX's parallel
+// attention and MLP with two input norms or (Phi, Cohere) one.
+enum Block : int64_t { kPreNorm = 0, kSandwich = 1, kPostNorm = 2, kParallel = 3, kParallelShared = 4 };
+// A norm: RMSNorm, Gemma's (1 + weight) RMSNorm, LayerNorm (its bias optional).
+enum NormKind : int64_t { kRms = 0, kGemmaRms = 1, kLayerNorm = 2 };
+// The q/k norms: none; one norm over each head; one over the whole projection (OLMo 2); a
+// bias-free LayerNorm per head with a weight per head (StableLM, Cohere).
+enum QkNorm : int64_t { kNoQkNorm = 0, kQkHead = 1, kQkProjection = 2, kQkHeads = 3 };
+enum Mlp : int64_t { kGatedMlp = 0, kPlainMlp = 1 };
 }  // namespace stack_codes
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
@@ -66,9 +77,9 @@ bool decoded_gemm_supported(int64_t k_dim);
 at::Tensor decoded_linear(at::Tensor x, const PanelDecoder& decode, int64_t n_dim, int64_t k_dim,
                              const float* bias);
 std::tuple<at::Tensor, at::Tensor> run_layer_stack(
-    at::Tensor hidden, std::vector<at::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
-    std::vector<at::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, at::Tensor cos,
-    at::Tensor sin, at::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
-    std::vector<at::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate_size, int64_t activation, int64_t small_m, int64_t int8_amx_min_rows, double eps,
+    at::Tensor hidden, std::vector<at::Tensor> layer_tensors, std::vector<int64_t> layer_codes,
+    std::vector<double> layer_scalars, std::vector<int64_t> linear_specs, std::vector<at::Tensor> linear_tensors,
+    std::vector<at::Tensor> ropes, at::Tensor slot_mapping, std::vector<int64_t> part_kernels,
+    std::vector<int64_t> part_rows, std::vector<at::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate_size, int64_t small_m, int64_t int8_amx_min_rows, double eps,
     double scale);

@@ -1,18 +1,24 @@
-// A step through a stack of Llama-style decoder layers in one call.
+// A step through a stack of decoder layers in one call, each layer run as its program describes it.
 //
 // The Python layers run ~25 Python-level operations per layer around their kernels (module calls,
 // views, splits, dispatch checks): on the default model's 30 layers that was 4-5 ms of a 37 ms
 // bfloat16 decode step, and as much of a short prompt's step. This loop calls the same kernels
 // with the same arguments in the same order, so its results are bit for bit the Python layers'
-// (models/layer_stack.py decides when a model and a step qualify; tests compare the two paths).
+// (models/layer_program.py reads each layer's program off the built model and says which ops have
+// no kernel here; tests compare the two paths).
 //
-// Per layer, 5 tensors in `layer_tensors`: input_norm_weight, post_norm_weight, k_cache, v_cache and
-// the key offset a quantized cache subtracts (attention/key_offset.py; empty: none).
-// Per layer, 4 linear layers in order (qkv, o, gate_up, down), each described in `linear_specs` as
-// its number of row segments, then per segment (kind, format, rows); each segment takes 2 tensors
-// of `linear_tensors`, its weight and its bias (an empty tensor: no bias). A layer's output is its
-// segments' outputs side by side. A gate/up layer that is one gated panel segment applies
-// act(gate) * up in its epilogue; otherwise `activation` runs after it.
+// Per layer, kLayerCodes codes in `layer_codes`: block wiring, norm kind, q/k norm, q/k norm kind,
+// rope table (-1: no rope), MLP kind, activation, sliding window (0: none); kLayerScalars in
+// `layer_scalars`: the residual multiplier (0: none) and the attention soft cap (0: none);
+// kLayerTensors tensors in `layer_tensors`: the weight and bias of the input, post-attention,
+// pre-feedforward and post-feedforward norms, of the q norm and of the k norm (an empty tensor: not
+// there), then k_cache, v_cache and the key offset a quantized cache subtracts (empty: none).
+// Per layer, 4 linear layers in order (qkv, o, up, down: a gated MLP's gate_up and down, a plain
+// one's fc and proj), each described in `linear_specs` as its number of row segments, then per
+// segment (kind, format, rows); each segment takes 2 tensors of `linear_tensors`, its weight and its
+// bias (an empty tensor: no bias). A layer's output is its segments' outputs side by side. A gate/up
+// layer that is one gated panel segment applies act(gate) * up in its epilogue; otherwise the
+// activation runs after it. `ropes` holds (cos, sin) per rope table.
 // Attention follows the step's plan (PagedAttention.cpu_plan), the same for every layer: parts of
 // the batch, each rows [begin, end) through one kernel (0 decode, 1 chunked, 2 AMX prompt) with its
 // own block_tables, query_start_loc and context_lens (3 tensors per part in `part_tensors`).
@@ -25,7 +31,9 @@
 
 namespace {
 
-constexpr int64_t kLayerTensors = 5;
+constexpr int64_t kLayerCodes = 8;
+constexpr int64_t kLayerScalars = 2;
+constexpr int64_t kLayerTensors = 15;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
 using namespace stack_codes;
@@ -81,7 +89,7 @@ at::Tensor project(const Linear& linear, const at::Tensor& x, const RowThreshold
   return at::cat(outputs, -1);
 }
 
-at::Tensor activate(int64_t activation, const at::Tensor& gate_up) {
+at::Tensor activate_and_mul(int64_t activation, const at::Tensor& gate_up) {
   switch (activation) {
     case kGelu: return gelu_and_mul(gate_up);
     case kGeluTanh: return gelu_tanh_and_mul(gate_up);
@@ -89,10 +97,50 @@ at::Tensor activate(int64_t activation, const at::Tensor& gate_up) {
   }
 }
 
+// A plain MLP's activation, as torch computes it (F.gelu, F.silu, F.relu).
+at::Tensor activate(int64_t activation, const at::Tensor& x) {
+  switch (activation) {
+    case kGelu: return at::gelu(x, "none");
+    case kGeluTanh: return at::gelu(x, "tanh");
+    case kRelu: return at::relu(x);
+    default: return at::silu(x);
+  }
+}
+
+struct Norm {
+  int64_t kind;
+  const at::Tensor* tensors;  // weight, bias (empty: none)
+};
+
+// norm(x), as the Python norm modules compute it (layers/norms_and_activations.py).
+at::Tensor apply_norm(const Norm& n, const at::Tensor& x, double eps) {
+  if (n.kind == kLayerNorm) return at::layer_norm(x, {x.size(-1)}, n.tensors[0], bias_or_none(n.tensors[1]), eps, true);
+  return rms_norm(x, n.tensors[0], eps, n.kind == kGemmaRms);
+}
+
+// norm(x, residual): residual += x, then x = norm(residual); fused in one kernel for the RMS norms,
+// an add and a LayerNorm otherwise (as LayerNorm.forward does). Returns the new x.
+at::Tensor add_norm(const Norm& n, const at::Tensor& x, at::Tensor& residual, double eps) {
+  if (n.kind == kLayerNorm) {
+    residual = x + residual;
+    return apply_norm(n, residual, eps);
+  }
+  fused_add_rms_norm(x, residual, n.tensors[0], eps, n.kind == kGemmaRms);
+  return x;
+}
+
+// HeadLayerNorm: a bias-free LayerNorm over each head of [T, heads, head_dim] in float32, times a
+// weight per head.
+at::Tensor head_layer_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto out = at::layer_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, c10::nullopt, eps, true) *
+             weight.to(at::kFloat);
+  return out.to(x.scalar_type());
+}
+
 // The 4 * num_layers linear layers of `specs` / `tensors`, checked against the shapes they must have.
 std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::vector<at::Tensor>& tensors,
-                                 int64_t num_layers, const int64_t (&in_features)[kLinearsPerLayer],
-                                 const int64_t (&out_features)[kLinearsPerLayer]) {
+                                 int64_t num_layers, const std::vector<int64_t>& in_features,
+                                 const std::vector<int64_t>& out_features) {
   std::vector<Linear> linears;
   size_t at = 0, tensor_at = 0;
   for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
@@ -100,7 +148,7 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
     const int64_t count = specs[at++];
     TORCH_CHECK(count >= 1 && at + 3 * count <= specs.size() && tensor_at + 2 * count <= tensors.size(),
                 "linear layer ", i, ": ", count, " segments do not fit linear_specs / linear_tensors");
-    Linear linear{{}, in_features[i % kLinearsPerLayer]};
+    Linear linear{{}, in_features[i]};
     int64_t rows = 0;
     for (int64_t s = 0; s < count; ++s) {
       const Segment segment{specs[at], specs[at + 1], specs[at + 2], tensors.data() + tensor_at};
@@ -111,8 +159,7 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
       at += 3;
       tensor_at += 2;
     }
-    TORCH_CHECK(rows == out_features[i % kLinearsPerLayer], "linear layer ", i, " has ", rows, " output rows, expected ",
-                out_features[i % kLinearsPerLayer]);
+    TORCH_CHECK(rows == out_features[i], "linear layer ", i, " has ", rows, " output rows, expected ", out_features[i]);
     linears.push_back(std::move(linear));
   }
   TORCH_CHECK(at == specs.size() && tensor_at == tensors.size(), "linear_specs / linear_tensors longer than ",
@@ -121,38 +168,51 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
 }
 
 at::Tensor attend(const Part& part, const at::Tensor& query, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, double scale, int64_t window) {
+                     const at::Tensor& v_cache, double scale, int64_t window, double soft_cap) {
   const at::Tensor* t = part.tensors;
   switch (part.kernel) {
-    case kDecode: return paged_decode_attention(query, k_cache, v_cache, t[0], t[2], scale, window, 0.0);
+    case kDecode: return paged_decode_attention(query, k_cache, v_cache, t[0], t[2], scale, window, soft_cap);
     case kAmx: return prompt_attention_amx(query, k_cache, v_cache, t[0], t[1], t[2], scale);
-    default: return paged_chunked_attention(query, k_cache, v_cache, t[0], t[1], t[2], scale, window, 0.0);
+    default: return paged_chunked_attention(query, k_cache, v_cache, t[0], t[1], t[2], scale, window, soft_cap);
   }
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> run_layer_stack(
-    at::Tensor hidden, std::vector<at::Tensor> layer_tensors, std::vector<int64_t> linear_specs,
-    std::vector<at::Tensor> linear_tensors, std::vector<int64_t> sliding_windows, at::Tensor cos,
-    at::Tensor sin, at::Tensor slot_mapping, std::vector<int64_t> part_kernels, std::vector<int64_t> part_rows,
-    std::vector<at::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate_size, int64_t activation, int64_t small_m, int64_t int8_amx_min_rows, double eps,
+    at::Tensor hidden, std::vector<at::Tensor> layer_tensors, std::vector<int64_t> layer_codes,
+    std::vector<double> layer_scalars, std::vector<int64_t> linear_specs, std::vector<at::Tensor> linear_tensors,
+    std::vector<at::Tensor> ropes, at::Tensor slot_mapping, std::vector<int64_t> part_kernels,
+    std::vector<int64_t> part_rows, std::vector<at::Tensor> part_tensors, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate_size, int64_t small_m, int64_t int8_amx_min_rows, double eps,
     double scale) {
   const RowThresholds thresholds{small_m, int8_amx_min_rows};
-  const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
+  const int64_t num_layers = static_cast<int64_t>(layer_codes.size()) / kLayerCodes;
   const int64_t num_parts = static_cast<int64_t>(part_kernels.size());
-  TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kLayerTensors, "expected ",
-              kLayerTensors, " tensors per layer for ", num_layers, " layers, got ", layer_tensors.size());
+  const int64_t num_ropes = static_cast<int64_t>(ropes.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(layer_codes.size()) == num_layers * kLayerCodes &&
+                  static_cast<int64_t>(layer_scalars.size()) == num_layers * kLayerScalars &&
+                  static_cast<int64_t>(layer_tensors.size()) == num_layers * kLayerTensors,
+              "expected ", kLayerCodes, " codes, ", kLayerScalars, " scalars and ", kLayerTensors,
+              " tensors per layer, got ", layer_codes.size(), ", ", layer_scalars.size(), " and ", layer_tensors.size());
+  TORCH_CHECK(ropes.size() % 2 == 0, "ropes holds (cos, sin) pairs");
   TORCH_CHECK(num_parts >= 1 && static_cast<int64_t>(part_rows.size()) == 2 * num_parts &&
                   static_cast<int64_t>(part_tensors.size()) == kPartTensors * num_parts,
               "each attention part needs a kernel, its rows [begin, end) and ", kPartTensors, " tensors");
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const int64_t in_features[kLinearsPerLayer] = {hidden_size, q_size, hidden_size, intermediate_size};
-  const int64_t out_features[kLinearsPerLayer] = {q_size + 2 * kv_size, hidden_size, 2 * intermediate_size,
-                                                  hidden_size};
+  std::vector<int64_t> in_features, out_features;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const int64_t* c = layer_codes.data() + i * kLayerCodes;
+    TORCH_CHECK(c[0] >= kPreNorm && c[0] <= kParallelShared, "layer ", i, ": unknown block wiring ", c[0]);
+    TORCH_CHECK(c[2] >= kNoQkNorm && c[2] <= kQkHeads, "layer ", i, ": unknown q/k norm ", c[2]);
+    TORCH_CHECK(c[4] >= -1 && c[4] < num_ropes, "layer ", i, ": rope table ", c[4], " of ", num_ropes);
+    TORCH_CHECK(c[5] == kGatedMlp || c[5] == kPlainMlp, "layer ", i, ": unknown MLP kind ", c[5]);
+    const int64_t up = c[5] == kGatedMlp ? 2 * intermediate_size : intermediate_size;
+    in_features.insert(in_features.end(), {hidden_size, q_size, hidden_size, intermediate_size});
+    out_features.insert(out_features.end(), {q_size + 2 * kv_size, hidden_size, up, hidden_size});
+  }
   const std::vector<Linear> linears = read_linears(linear_specs, linear_tensors, num_layers, in_features, out_features);
   std::vector<Part> parts;
   for (int64_t p = 0; p < num_parts; ++p) {
@@ -164,40 +224,109 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
   const bool whole = num_parts == 1 && parts[0].begin == 0 && parts[0].end == tokens;
   at::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
+    const int64_t* c = layer_codes.data() + i * kLayerCodes;
+    const int64_t block = c[0], norm_kind = c[1], qk_norm = c[2], qk_kind = c[3], rope = c[4], mlp = c[5];
+    const int64_t activation = c[6], window = c[7];
+    const double residual_scale = layer_scalars[i * kLayerScalars], soft_cap = layer_scalars[i * kLayerScalars + 1];
     const at::Tensor* t = layer_tensors.data() + i * kLayerTensors;
-    const at::Tensor &k_cache = t[2], &v_cache = t[3];
-    const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, gate_up, down
+    const Norm input_norm{norm_kind, t}, post_attn_norm{norm_kind, t + 2}, pre_ff_norm{norm_kind, t + 4},
+        post_ff_norm{norm_kind, t + 6}, q_norm{qk_kind, t + 8}, k_norm{qk_kind, t + 10};
+    const at::Tensor &k_cache = t[12], &v_cache = t[13];
+    const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, up, down
+
+    // Attention over `x` (DecoderAttention.forward): qkv, q/k norms, rope, cache write, attention, o.
+    auto attention = [&](const at::Tensor& x) {
+      auto qkv = project(linear[0], x, thresholds);
+      at::Tensor query, key;
+      if (qk_norm == kNoQkNorm) {
+        // q and k rotated in one go: they are adjacent in the fused output.
+        if (rope >= 0)
+          rotary_embedding_inplace(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}),
+                                   ropes[2 * rope], ropes[2 * rope + 1]);
+        query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+        key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+      } else {
+        query = qkv.narrow(1, 0, q_size);
+        key = qkv.narrow(1, q_size, kv_size);
+        if (qk_norm == kQkProjection) {
+          query = apply_norm(q_norm, query, eps);
+          key = apply_norm(k_norm, key, eps);
+        }
+        query = query.reshape({tokens, num_heads, head_dim});
+        key = key.reshape({tokens, num_kv_heads, head_dim});
+        if (qk_norm == kQkHead) {
+          query = apply_norm(q_norm, query, eps);
+          key = apply_norm(k_norm, key, eps);
+        } else if (qk_norm == kQkHeads) {
+          query = head_layer_norm(query, q_norm.tensors[0], eps);
+          key = head_layer_norm(key, k_norm.tensors[0], eps);
+        }
+        if (rope >= 0) {
+          rotary_embedding_inplace(query, ropes[2 * rope], ropes[2 * rope + 1]);
+          rotary_embedding_inplace(key, ropes[2 * rope], ropes[2 * rope + 1]);
+        }
+      }
+      auto value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+      write_kv_cache(key, value, k_cache, v_cache, slot_mapping,
+                     t[14].numel() ? c10::optional<at::Tensor>(t[14]) : c10::nullopt);
+      at::Tensor attended;
+      if (whole) {
+        attended = attend(parts[0], query, k_cache, v_cache, scale, window, soft_cap);
+      } else {
+        attended = at::empty({tokens, num_heads, head_dim}, query.options());
+        for (const Part& part : parts) {
+          attended.narrow(0, part.begin, part.end - part.begin)
+              .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), k_cache, v_cache, scale,
+                            window, soft_cap));
+        }
+      }
+      return project(linear[1], attended.reshape({tokens, q_size}), thresholds);
+    };
+    // The MLP over `x` (GatedMLP / PlainMLP.forward).
+    auto feed_forward = [&](const at::Tensor& x) {
+      auto up = project(linear[2], x, thresholds);
+      if (mlp == kPlainMlp) {
+        up = activate(activation, up);
+      } else if (!linear[2].gated()) {
+        up = activate_and_mul(activation, up);
+      }
+      return project(linear[3], up, thresholds);
+    };
+
+    // The wiring of DecoderLayer.forward.
+    if (block == kPostNorm) {  // x + norm(attn(x)), then x + norm(mlp(x)); no residual carried
+      hidden = hidden + apply_norm(post_attn_norm, attention(hidden), eps);
+      hidden = hidden + apply_norm(post_ff_norm, feed_forward(hidden), eps);
+      continue;
+    }
+    if (block == kParallel || block == kParallelShared) {  // x + attn(ln(x)) + mlp(ln(x) or ln2(x))
+      auto normed = apply_norm(input_norm, hidden, eps);
+      auto h = attention(normed);
+      auto out = feed_forward(block == kParallelShared ? normed : apply_norm(post_attn_norm, hidden, eps));
+      out.add_(h);
+      out.add_(hidden);
+      hidden = out;
+      continue;
+    }
     if (!residual.defined()) {
       residual = hidden;
-      hidden = rms_norm(hidden, t[0], eps, false);
+      hidden = apply_norm(input_norm, hidden, eps);
     } else {
-      fused_add_rms_norm(hidden, residual, t[0], eps, false);
+      hidden = add_norm(input_norm, hidden, residual, eps);
     }
-    auto qkv = project(linear[0], hidden, thresholds);
-    // q and k rotated in one go: they are adjacent in the fused output.
-    rotary_embedding_inplace(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}),
-                             cos, sin);
-    auto query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    auto key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    auto value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping,
-                   t[4].numel() ? c10::optional<at::Tensor>(t[4]) : c10::nullopt);
-    at::Tensor attended;
-    if (whole) {
-      attended = attend(parts[0], query, k_cache, v_cache, scale, sliding_windows[i]);
-    } else {
-      attended = at::empty({tokens, num_heads, head_dim}, query.options());
-      for (const Part& part : parts) {
-        attended.narrow(0, part.begin, part.end - part.begin)
-            .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), k_cache, v_cache, scale,
-                          sliding_windows[i]));
-      }
+    auto h = attention(hidden);
+    if (block == kSandwich) {
+      h = add_norm(pre_ff_norm, apply_norm(post_attn_norm, h, eps), residual, eps);
+      hidden = apply_norm(post_ff_norm, feed_forward(h), eps);
+      continue;
     }
-    auto h = project(linear[1], attended.reshape({tokens, q_size}), thresholds);
-    fused_add_rms_norm(h, residual, t[1], eps, false);
-    auto activated = project(linear[2], h, thresholds);
-    if (!linear[2].gated()) activated = activate(activation, activated);
-    hidden = project(linear[3], activated, thresholds);
+    // Granite: residual + block(x) * scale. As Python's `h *= scale` computes it: the scale as a double
+    // tensor (mul_.Tensor), not mul_.Scalar, which rounds it to the tensor's dtype first.
+    const at::Tensor scale_tensor = at::scalar_tensor(residual_scale, at::TensorOptions().dtype(at::kDouble));
+    if (residual_scale != 0.0) h.mul_(scale_tensor);
+    h = add_norm(post_attn_norm, h, residual, eps);
+    hidden = feed_forward(h);
+    if (residual_scale != 0.0) hidden.mul_(scale_tensor);
   }
   return {hidden, residual};
 }

@@ -3,7 +3,7 @@
 It answers what the server asks of AsyncLLMEngine (add_request, stream_outputs, abort,
 check_alive, is_healthy, get_stats, start, shutdown, fail_all_requests, ``engine`` with the
 tokenizer and configs, ``output_observer``), so the OpenAI handlers run unchanged. Each request
-goes to the replica the router (pagedllm/core/router.py) chooses from the prompt's token ids and
+goes to the replica the router (pagedllm/serving/router.py) chooses from the prompt's token ids and
 the requests in flight per live replica; its outputs come back over a Ray streaming generator and
 are handed to the consumer as they arrive.
 
@@ -29,16 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.data_parallel import DataParallelConfig
-from pagedllm.distributed.ray_replicas import ReplicaEvent
-from pagedllm.distributed.replica_errors import (
-    PromptRefusedError,
-    ReplicaFailedError,
-    ReplicaUnavailableError,
-    event_error,
-)
-from pagedllm.distributed.replica_health import ReplicaHealth
-from pagedllm.distributed.replica_launch import EngineShell, release_replicas, start_replicas
 from pagedllm.engine.async_engine import (
     EngineDeadError,
     OutputObserver,
@@ -48,9 +38,20 @@ from pagedllm.engine.async_engine import (
     RequestTiming,
     record_output,
 )
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import RequestOutput
+from pagedllm.serving.data_parallel import DataParallelConfig
+from pagedllm.serving.ray_replicas import ReplicaEvent
+from pagedllm.serving.replica_errors import (
+    PromptRefusedError,
+    ReplicaFailedError,
+    ReplicaUnavailableError,
+    event_error,
+)
+from pagedllm.serving.replica_health import ReplicaHealth
+from pagedllm.serving.replica_launch import EngineShell, release_replicas, start_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class _ReplicaGone(Exception):
     """The replica's stream broke (actor died, engine failed): the request may run elsewhere."""
 
 
-class ReplicatedEngine:
+class ReplicatedEngine(EngineClient):
     def __init__(
         self,
         shell: EngineShell,
@@ -121,7 +122,7 @@ class ReplicatedEngine:
         """Connect to (or start) Ray, start the replicas and wait for their engines (replica_launch.py)."""
         config.check()
         if router is None:
-            from pagedllm.core.router import make_router
+            from pagedllm.serving.router import make_router
 
             router = make_router(config.router, engine_args.block_size)
         shell, actors, groups, owns_ray = start_replicas(engine_args, config)
@@ -391,17 +392,6 @@ class ReplicatedEngine:
             if request is not None:
                 request.buffered = True
 
-    async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None,
-        buffered: bool = False,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """add_request + stream_outputs; ``buffered``: the caller keeps only the final output (buffer_outputs)."""
-        await self.add_request(request_id, prompt, params, arrival_time)
-        if buffered:
-            self.buffer_outputs([request_id])
-        async for output in self.stream_outputs(request_id):
-            yield output
-
     def abort(self, request_id: str) -> None:
         """Abort a request on its replica (frees its blocks there); safe to call twice."""
         request = self._requests.get(request_id)
@@ -457,7 +447,7 @@ class ReplicatedEngine:
         return request.replica if request is not None and request.replica >= 0 else None
 
     async def capture_replica_snapshot(self, replica: int, timeout_s: float = 5.0) -> dict[str, Any]:
-        """One replica's pool and queues (core/snapshot.py), taken in its actor between two of its steps.
+        """One replica's pool and queues (engine/snapshot.py), taken in its actor between two of its steps.
 
         ReplicaUnavailableError while the replica is down, or when it does not answer in time.
         """

@@ -29,12 +29,8 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,21 +38,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.distributed.messages import STOP, StepDecoder, StepEncoder, broadcast_bytes
-from pagedllm.distributed.parallel_state import (
-    TensorParallelState,
+from pagedllm.executor.messages import STOP, StepEncoder, broadcast_bytes
+from pagedllm.executor.rank import (
+    HEARTBEAT_S,
+    WorkerSpec,
+    build_worker,
+    client_store,
+    collective_timeout_s,
+    plain_config,
+    rank_device,
+    run_worker,
+)
+from pagedllm.layers.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
     override_tp_state,
 )
 from pagedllm.sampling import SamplerOutput
+from pagedllm.step_timing import StepTimer
 from pagedllm.worker.model_runner import StepInput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 120.0
-_HEARTBEAT_S = 1.0
-_STORE_PREFIX = "pagedllm/"
 
 
 class TensorParallelError(RuntimeError):
@@ -65,59 +68,6 @@ class TensorParallelError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-@dataclass(slots=True)
-class WorkerSpec:
-    """Everything a rank needs to build its Worker (picklable, sent once at start-up)."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    device: str
-    eos_token_id: int | None
-    max_num_batched_tokens: int
-    seed: int
-    num_threads: int | None
-    timeout_s: float
-
-
-class PlainConfig:
-    """A model config's values as plain attributes: pickles without transformers, whose import costs
-    workers several seconds of start-up."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.__dict__.update(values)
-
-    def standardize_rope_params(self) -> None:
-        """transformers' rope functions (yarn, llama3, ...) call this first to turn a legacy
-        ``rope_scaling`` into ``rope_parameters``; the values here come from a config that already did."""
-
-
-def plain_config(hf_config: Any) -> PlainConfig:
-    """Every public plain-data attribute of a transformers config, aliases (attribute_map) included."""
-    values: dict[str, Any] = {}
-    for name in dir(hf_config):
-        if name.startswith("_") and name != "_remove_final_layer_norm":
-            continue
-        try:
-            value = getattr(hf_config, name)
-        except Exception:  # noqa: BLE001 - a property that does not apply to this config
-            continue
-        if isinstance(value, (int, float, str, bool, list, tuple, dict, type(None))):
-            values[name] = value
-    for alias in getattr(hf_config, "attribute_map", None) or {}:  # e.g. GPT-2's hidden_size -> n_embd
-        values[alias] = getattr(hf_config, alias)
-    return PlainConfig(values)
-
-
-def collective_timeout_s() -> float:
-    return float(os.environ.get("PAGEDLLM_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -141,78 +91,6 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-def _client_store(addr: str, port: int, timeout_s: float) -> dist.Store:
-    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return dist.PrefixStore(_STORE_PREFIX, store)
-
-
-def _build_worker(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> Any:
-    from pagedllm.worker.worker import Worker
-
-    return Worker(
-        spec.model_config,
-        spec.cache_config,
-        device,
-        spec.eos_token_id,
-        spec.max_num_batched_tokens,
-        seed=spec.seed,
-        num_threads=spec.num_threads,
-        rank=rank,
-        world_size=world_size,
-    )
-
-
-def serve_steps(worker: Any, state: TensorParallelState) -> None:
-    """A worker rank's loop: receive a step, run the forward pass on this shard, until STOP."""
-    decoder = StepDecoder()
-    while True:
-        step = decoder.decode(broadcast_bytes(state, None))
-        if step is STOP:
-            return
-        worker.execute(step)
-
-
-def _heartbeat(store: dist.Store, rank: int, parent_pid: int | None, stop: threading.Event) -> None:
-    """Tell rank 0 this rank lives; leave at once if the engine's process is gone (no orphans)."""
-    beat = 0
-    while not stop.wait(_HEARTBEAT_S):
-        if parent_pid is not None and os.getppid() != parent_pid:
-            os._exit(3)
-        beat += 1
-        try:
-            store.set(f"heartbeat/{rank}", str(beat))
-        except Exception:  # noqa: BLE001 - the store lives on rank 0: gone means the engine is gone
-            if parent_pid is not None:
-                os._exit(3)
-            return
-
-
-def run_worker(
-    rank: int, world_size: int, addr: str, port: int, spec: WorkerSpec, device: torch.device, parent_pid: int | None
-) -> None:
-    """Body of ranks 1..N-1 (spawned child or torchrun process): join, load the shard, serve steps."""
-    store = None
-    stop = threading.Event()
-    try:
-        state = init_tensor_parallel(rank, world_size, f"tcp://{addr}:{port}", device, spec.timeout_s)
-        store = _client_store(addr, port, spec.timeout_s)
-        threading.Thread(
-            target=_heartbeat, args=(store, rank, parent_pid, stop), daemon=True, name="pagedllm-heartbeat"
-        ).start()
-        worker = _build_worker(spec, rank, world_size, device)
-        serve_steps(worker, state)
-    except BaseException as exc:
-        logger.error("tensor-parallel rank %d failed: %s", rank, exc)
-        if store is not None:
-            try:
-                store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
-                pass
-        raise
-    finally:
-        stop.set()
-        destroy_tensor_parallel()
 
 
 def _spawned_main(rank: int, world_size: int, addr: str, port: int, spec: WorkerSpec, parent_pid: int) -> None:
@@ -312,7 +190,7 @@ class MultiprocExecutor:
                 raise SystemExit(0)
             init_method = "env://"
         elif backend == "ray":
-            from pagedllm.distributed.ray_ranks import RayRanks, node_address
+            from pagedllm.executor.ray_ranks import RayRanks, node_address
 
             addr, port = node_address(), _free_port()
             init_method = f"tcp://{addr}:{port}"
@@ -339,8 +217,8 @@ class MultiprocExecutor:
         atexit.register(self.shutdown)
         try:
             self.state = init_tensor_parallel(0, world_size, init_method, device, timeout_s)
-            self._store = _client_store(addr, port, timeout_s)
-            self.worker = _build_worker(dataclasses.replace(spec, model_config=model_config), 0, world_size, device)
+            self._store = client_store(addr, port, timeout_s)
+            self.worker = build_worker(dataclasses.replace(spec, model_config=model_config), 0, world_size, device)
         except Exception as exc:
             self.error = self._diagnose(exc, "start-up")
             self.shutdown()
@@ -421,7 +299,7 @@ class MultiprocExecutor:
         if self._store is None:
             return []
         before = self._heartbeats()
-        time.sleep(2.5 * _HEARTBEAT_S)
+        time.sleep(2.5 * HEARTBEAT_S)
         after = self._heartbeats()
         return [rank for rank in before if before[rank] == after[rank]]
 
@@ -436,6 +314,12 @@ class MultiprocExecutor:
         return beats
 
     # ------------------------------------------------------------------ stats and teardown
+
+    def layer_placement(self) -> str:
+        return "Python layers (tensor-parallel shards: the C++ layer loop runs whole layers)"
+
+    def attach_step_timer(self, timer: StepTimer) -> bool:
+        return False  # the runners run in the ranks' processes: the whole execution counts as "forward"
 
     def comm_stats(self) -> dict[str, float | int]:
         stats: dict[str, float | int] = self.state.stats.as_dict() if hasattr(self, "state") else {}

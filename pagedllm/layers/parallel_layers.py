@@ -8,7 +8,7 @@
 
 Each layer owns a ``weight_loader(param, full_tensor, shard_id)`` that cuts this rank's slice out
 of the full checkpoint tensor, so a rank only ever keeps its own shard. The state (rank, world
-size, group) is read once at construction from pagedllm.distributed.parallel_state.get_tp_state().
+size, group) is read once at construction from pagedllm.layers.parallel_state.get_tp_state().
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import all_reduce, gather_last_dim, get_tp_state
-from pagedllm.models.cpu_gemm import PackableLinear, dense, lm_head_matmul
-from pagedllm.models.layers import copy_checked
+from pagedllm.layers.cpu_gemm import PackableLinear, dense, lm_head_matmul
+from pagedllm.layers.norms_and_activations import copy_checked
+from pagedllm.layers.parallel_state import all_reduce, gather_last_dim, get_tp_state
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

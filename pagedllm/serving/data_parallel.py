@@ -49,7 +49,7 @@ class DataParallelConfig:
     router: str = setting(
         "prefix", "data-parallel replicas on Ray (see the README)",
         "Which replica serves a request: prefix (the replica that cached the prompt's leading blocks, unless it is "
-        "overloaded), round_robin or least_loaded (pagedllm/core/router.py).",
+        "overloaded), round_robin or least_loaded (pagedllm/serving/router.py).",
         choices=ROUTER_POLICIES,
     )
     # Ray restarts a replica whose actor dies this many times (-1: without limit).

@@ -2,7 +2,7 @@
 
 Checked in this order, the first match wins:
 
-- ``max_model_len``: the sequence fills the model's context -> length capped (always checked);
+- ``max_model_len``: the sequence fills the model's context -> length capped (always checked, when given);
 - before ``min_tokens`` generated tokens nothing else can stop the sequence;
 - EOS (unless ``ignore_eos``) -> stopped; its text is removed from the output;
 - a token of ``stop_token_ids`` -> stopped, ``stop_reason`` = the id; its text is removed;
@@ -21,7 +21,7 @@ from pagedllm.sequence import Sequence, SequenceStatus
 
 
 def check_stop(
-    seq: Sequence, params: SamplingParams, new_text_len: int, eos_token_id: int | None, max_model_len: int
+    seq: Sequence, params: SamplingParams, new_text_len: int, eos_token_id: int | None, max_model_len: int | None
 ) -> None:
     """Set ``seq.status`` (and ``seq.stop_reason``) if the token just appended ends the sequence.
 
@@ -36,7 +36,7 @@ def check_stop(
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = stop_str
             return
-    if seq.get_len() >= max_model_len:
+    if max_model_len is not None and seq.get_len() >= max_model_len:
         seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
         return
     if params.max_tokens is not None and output_len >= params.max_tokens:

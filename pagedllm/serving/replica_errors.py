@@ -7,13 +7,13 @@ single-engine server's own, rebuilt here from a replica's ReplicaEvent.
 
 from __future__ import annotations
 
-from pagedllm.distributed.ray_replicas import ReplicaEvent
 from pagedllm.engine.async_engine import (
     EngineDeadError,
     RequestAbortedError,
     RequestFailedError,
     RequestRejectedError,
 )
+from pagedllm.serving.ray_replicas import ReplicaEvent
 
 
 class ReplicaUnavailableError(EngineDeadError):

@@ -126,9 +126,9 @@ class EngineReplica:
 
     async def snapshot(self) -> dict[str, Any]:
         """The dashboard's snapshot of this replica's pool and queues, taken between two steps."""
-        from pagedllm.entrypoints.dashboard.engine_source import EngineSource
+        from pagedllm.engine.snapshot import capture_between_steps
 
-        return await EngineSource(self.async_engine).capture()
+        return await capture_between_steps(self.async_engine)
 
 
 def launch_replicas(
@@ -145,7 +145,7 @@ def launch_replicas(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from pagedllm.distributed.ray_ranks import forwarded_env
+    from pagedllm.executor.ray_ranks import forwarded_env
 
     num_cpus = engine_args.num_threads or 1
     actor_class = ray.remote(EngineReplica)

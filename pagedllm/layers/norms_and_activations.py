@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models import fused_ops
+from pagedllm.layers import fused_ops
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight, assign_to
 
 

@@ -26,7 +26,7 @@ class Proposer(Protocol):
 
 # A draft model's drafts are made by the worker within the step that verifies them: the scheduler
 # books their slots and token budget with this stand-in, and the worker's drafts replace it before
-# verification (spec_decode/draft_model.py).
+# verification (worker/draft_model.py).
 DRAFT_FROM_MODEL = -1
 
 
@@ -44,10 +44,10 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "draft_model":
         return _WorkerProposes()
     if config.method == "ngram":
-        from pagedllm.spec_decode.ngram import NgramProposer
+        from pagedllm.core.ngram_proposer import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from pagedllm.spec_decode.suffix import SuffixProposer
+    from pagedllm.core.suffix_proposer import SuffixProposer
 
     return SuffixProposer(
         max_tree_depth=config.suffix_decoding_max_tree_depth,

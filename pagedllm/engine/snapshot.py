@@ -251,3 +251,27 @@ def _sharing(block_manager: Any, gpu: _PoolMap, cpu: _PoolMap) -> dict[str, Any]
         "prefix_evictions": stats.get("prefix_cache_evictions", 0),
         "swapped_out_blocks": stats.get("num_blocks_swapped_out", 0),
     }
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """Cumulative counters the charts turn into rates (read on the engine thread)."""
+    scheduler = engine.scheduler
+    return {
+        "prompt_tokens": getattr(engine, "num_prompt_tokens", 0),
+        "generation_tokens": getattr(engine, "num_generation_tokens", 0),
+        "preemptions": scheduler.num_preempted_by_recompute + scheduler.num_preempted_by_swap,
+        "steps": getattr(engine, "num_steps", 0),
+    }
+
+
+def engine_snapshot(engine: Any) -> dict[str, Any]:
+    """``take_snapshot`` of an LLMEngine's scheduler plus its ``counters``; call it between steps."""
+    snapshot = take_snapshot(engine.scheduler, getattr(engine, "max_seq_len", None))
+    snapshot["counters"] = engine_counters(engine)
+    return snapshot
+
+
+async def capture_between_steps(async_engine: Any) -> dict[str, Any]:
+    """The snapshot of an AsyncLLMEngine's engine, taken on its engine thread (so between two steps)."""
+    async_engine.check_alive()  # a dead engine's state is not worth drawing (EngineDeadError)
+    return await async_engine.run_in_engine_thread(lambda: engine_snapshot(async_engine.engine))

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import EngineArgs, SpeculativeConfig
-from pagedllm.distributed.data_parallel import DataParallelConfig, DataParallelUnavailableError
-from pagedllm.distributed.ray_replicas import launch_replicas
+from pagedllm.serving.data_parallel import DataParallelConfig, DataParallelUnavailableError
+from pagedllm.serving.ray_replicas import launch_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def start_replicas(
     import ray
 
     from pagedllm.models.loader import load_model_config, load_tokenizer, resolve_tokenizer_path
-    from pagedllm.spec_decode.draft_model import load_draft_model_config
     from pagedllm.structured import StructuredOutputManager
+    from pagedllm.worker.draft_model import load_draft_model_config
     from pagedllm.worker.worker import resolve_device
 
     model_config = load_model_config(
@@ -104,8 +104,8 @@ def start_replicas(
 
 def replica_placement_groups(replica_args: EngineArgs, num_replicas: int, use_gpu: bool) -> list[Any]:
     """One placement group per replica: bundle 0 for the replica (rank 0), one more per other rank."""
-    from pagedllm.distributed.executor import collective_timeout_s
-    from pagedllm.distributed.ray_ranks import make_placement_group, rank_bundle
+    from pagedllm.executor.rank import collective_timeout_s
+    from pagedllm.executor.ray_ranks import make_placement_group, rank_bundle
 
     groups: list[Any] = []
     try:

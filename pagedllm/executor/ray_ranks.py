@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import PLACEMENT_STRATEGIES
-from pagedllm.distributed.executor import WorkerSpec, run_worker
+from pagedllm.executor.rank import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.parallel_state import TensorParallelState
+from pagedllm.layers.parallel_state import TensorParallelState
 from pagedllm.sampling import SamplingRow
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import SeqStepInput, StepInput

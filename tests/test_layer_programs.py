@@ -1,0 +1,93 @@
+"""Every dense decoder family runs through the C++ layer loop, bit for bit as its Python layers.
+
+Each family's tiny random model (the configs the transformers-equality tests use: test_model_families
+and test_model_families_2026) is built with weights the loop multiplies (int8 rows, which every
+instruction-set level serves, and our bfloat16 / float32 panels where this CPU has them). Its layer
+programs must have no gaps, every step of test_layer_stack's STEPS must go through the loop, and
+the logits must equal the Python layers' exactly: the Python layers are the ones the family tests
+compare with transformers, so the loop's tokens are transformers' too. A family whose programs gain
+a gap fails here instead of falling back to the Python layers unseen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from requirements_here import require
+from test_layer_stack import STEPS, _count_stack_runs, _step_logits, _without_stack
+from test_model_families import family_config as family_config_a
+from test_model_families_2026 import family_config as family_config_b
+from test_models import TINY
+
+from pagedllm.kernels import use_kernel_config
+from pagedllm.layers.cpu_gemm import panels_supported
+from pagedllm.models import build_model, load_model_config
+from pagedllm.models.layer_program import gaps_summary
+from pagedllm.models.layer_stack import model_programs, stack_report
+
+transformers = require("transformers")
+
+pytestmark = pytest.mark.kernels
+
+# One config per dense family of models/families.py (and the variants that change a layer's ops).
+DENSE = {
+    "llama": lambda: TINY["llama-gqa"],
+    "mistral": lambda: family_config_a("mistral-window"),
+    "qwen2": lambda: family_config_a("qwen2-window"),
+    "qwen3": lambda: family_config_a("qwen3"),
+    "gemma": lambda: family_config_a("gemma"),
+    "gemma2": lambda: family_config_a("gemma2"),
+    "gemma3": lambda: family_config_a("gemma3"),
+    "phi3": lambda: family_config_a("phi3-longrope"),
+    "gpt-neox": lambda: family_config_a("gpt-neox"),
+    "gpt-neox-sequential": lambda: family_config_a("gpt-neox-sequential"),
+    "starcoder2": lambda: family_config_a("starcoder2"),
+    "olmo2": lambda: family_config_b("olmo2"),
+    "olmo3": lambda: family_config_b("olmo3"),
+    "granite": lambda: family_config_b("granite"),
+    "stablelm": lambda: family_config_b("stablelm"),
+    "stablelm-parallel": lambda: family_config_b("stablelm-parallel"),
+    "phi": lambda: family_config_b("phi"),
+    "phi-qk-layernorm": lambda: family_config_b("phi-qk-layernorm"),
+    "cohere": lambda: family_config_b("cohere"),
+    "cohere2": lambda: family_config_b("cohere2"),
+}
+
+
+def _build(tmp_path, name: str, dtype: str, quantization: str | None):
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(DENSE[name](), dtype=torch.float32).eval()
+    with torch.no_grad():  # biases and norms away from their initial zeros and ones
+        for param_name, p in hf_model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf_model.save_pretrained(tmp_path)
+    model_config = load_model_config(str(tmp_path), dtype=dtype, quantization=quantization)
+    return model_config, build_model(model_config, "cpu")
+
+
+@pytest.mark.parametrize("weights", ["int8", "panels"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(DENSE))
+def test_every_dense_family_runs_in_the_layer_loop(name, dtype, weights, tmp_path, monkeypatch) -> None:
+    if weights == "panels" and not panels_supported(getattr(torch, dtype)):
+        pytest.skip(f"not on this CPU: no {dtype} panels here (the int8 rows of this test ran)")
+    with use_kernel_config(gemm="panels" if weights == "panels" else "auto"):
+        model_config, model = _build(tmp_path, name, dtype, "int8" if weights == "int8" else None)
+        programs = model_programs(model.model)
+        assert not any(p.gaps for p in programs), gaps_summary(programs)
+        assert stack_report(model.model).startswith("C++ layer loop")
+        runs = _count_stack_runs(monkeypatch)
+        with_stack = _step_logits(model, model_config)
+        assert len(runs) == len(STEPS)  # every step ran in the loop (a batch-invariant plan or the kernels')
+        without = _without_stack(model, model_config)
+    for step, (a, b) in enumerate(zip(with_stack, without, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+def test_a_layer_the_loop_cannot_run_names_its_gap(tmp_path) -> None:
+    """Float32 weights torch multiplies (no panels asked): the report names the gap per layer."""
+    with use_kernel_config(gemm="torch"):
+        _, model = _build(tmp_path, "olmo2", "float32", None)
+        report = stack_report(model.model)
+    assert report.startswith("Python layers: ") and "a weight torch or oneDNN multiplies (layers 0-1)" in report
