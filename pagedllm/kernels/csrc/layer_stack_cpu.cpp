@@ -322,8 +322,11 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
     }
     // Granite: residual + block(x) * scale. As Python's `h *= scale` computes it: the scale as a double
     // tensor (mul_.Tensor), not mul_.Scalar, which rounds it to the tensor's dtype first.
-    const at::Tensor scale_tensor = at::scalar_tensor(residual_scale, at::TensorOptions().dtype(at::kDouble));
-    if (residual_scale != 0.0) h.mul_(scale_tensor);
+    at::Tensor scale_tensor;
+    if (residual_scale != 0.0) {
+      scale_tensor = at::scalar_tensor(residual_scale, at::TensorOptions().dtype(at::kDouble));
+      h.mul_(scale_tensor);
+    }
     h = add_norm(post_attn_norm, h, residual, eps);
     hidden = feed_forward(h);
     if (residual_scale != 0.0) hidden.mul_(scale_tensor);
