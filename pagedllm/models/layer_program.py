@@ -197,9 +197,12 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
         qk_norm, qk_kind = NO_QK_NORM, RMS
         program.norm_tensors += [_EMPTY] * 4
     else:
-        qk_norm = {"projection": QK_PROJECTION, "heads": QK_HEADS}.get(
-            "projection" if attn.norm_projection else ("heads" if isinstance(attn.q_norm, HeadLayerNorm) else "head"),
-            QK_HEAD)
+        if attn.norm_projection:
+            qk_norm = QK_PROJECTION
+        elif isinstance(attn.q_norm, HeadLayerNorm):
+            qk_norm = QK_HEADS
+        else:
+            qk_norm = QK_HEAD
         qk_kinds = set()
         for name, module in (("q norm", attn.q_norm), ("k norm", attn.k_norm)):
             kind, tensors, eps = _norm(module, name, dtype, gaps)
