@@ -207,3 +207,19 @@ def test_infinities_and_nan_come_out_as_torch_s(kernel_level) -> None:
         torch.testing.assert_close(got, expected, equal_nan=True)
         assert got.isnan().sum() == expected.isnan().sum() == 2
     kernel_level.assert_ran("greedy_pick", "fused_ops")
+
+
+def test_env_says_where_a_models_layers_run() -> None:
+    """``pagedllm env --model M``: the kernel report plus where M's layers run, as the engine logs it
+    at start-up (the default model's layers all have loop kernels here)."""
+    require_kernels()
+    from pagedllm.models.loader import default_model_path
+
+    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "env", "--json", "--model",
+                           default_model_path()], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["layers"] == "C++ layer loop (30 layers)"
+    off = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "env", "--model", default_model_path()],
+                         env={**os.environ, "PAGEDLLM_LAYER_STACK": "0"}, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr
+    assert "Layers           Python layers: the C++ layer loop switched off" in off.stdout

@@ -92,7 +92,21 @@ def run_env(args: argparse.Namespace) -> int:
     from pagedllm.kernels.report import format_report, kernel_report
 
     report = kernel_report()
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.model is not None:
+        # Where layers run depends on the weights' formats and the family's ops, so the model is
+        # loaded as the engine loads it (the same flags), with the smallest KV pool.
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        engine_args = engine_args_from_cli(args)
+        if engine_args.kv_cache_memory is None and engine_args.num_kv_blocks is None:
+            engine_args.num_kv_blocks = 16
+        engine = LLMEngine.from_engine_args(engine_args)
+        report["layers"] = engine.layer_placement
+        engine.shutdown()
+    text = format_report(report)
+    if "layers" in report:
+        text += f"\nLayers           {report['layers']}"
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0 if report["level"] is not None else 2
 
 
@@ -120,8 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.hub_cli import add_hub_parsers
 
     add_hub_parsers(sub)
-    env = sub.add_parser("env", help="the CPU, the kernel level in use and why, each kernel's branch, torch and oneDNN")
+    env = sub.add_parser("env", help="the CPU, the kernel level in use and why, each kernel's branch, torch and "
+                                     "oneDNN; with --model, where that model's layers run")
     env.add_argument("--json", action="store_true", help="as JSON, for scripts")
+    # Without --model nothing loads: the kernel report alone.
+    add_engine_args(env)
     env.set_defaults(func=run_env)
     from pagedllm.entrypoints.simulate_cli import add_simulate_parser
 
