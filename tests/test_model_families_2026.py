@@ -20,6 +20,7 @@ from test_model_families import PROMPT_LENS, VOCAB, WINDOW, hf_prompt_and_step, 
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import PagedAttention
+from pagedllm.kernels.codes import PARALLEL_SHARED, POST_NORM
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.layer_stack import model_programs
 from pagedllm.quantization.packed import QuantizedWeight
@@ -127,14 +128,15 @@ def test_settings_reach_the_layers(tmp_path) -> None:
         built[name] = build_model(load_model_config(str(tmp_path / name), dtype="float32"), "cpu")
     granite = built["granite"]
     assert granite.model.embed_scale == 12.0 and granite.logit_scale == pytest.approx(1 / 8)
-    assert all(layer.residual_scale == 0.22 and layer.self_attn.attn.scale == 1 / 64 for layer in granite.model.layers)
+    assert all(layer.ops.residual_scale == 0.22 and layer.self_attn.attn.scale == 1 / 64
+               for layer in granite.model.layers)
     olmo3 = built["olmo3"].model.layers
     assert [layer.self_attn.attn.sliding_window for layer in olmo3] == [WINDOW, None]
-    assert all(layer.post_norms and not hasattr(layer, "input_layernorm") for layer in olmo3)
-    assert [layer.self_attn.use_rope for layer in built["cohere2"].model.layers] == [True, False]
+    assert all(layer.ops.wiring == POST_NORM and not hasattr(layer, "input_layernorm") for layer in olmo3)
+    assert [layer.ops.attention.rotates for layer in built["cohere2"].model.layers] == [True, False]
     assert built["cohere2"].tie_word_embeddings and built["cohere2"].logit_scale == 0.5
     phi = built["phi"]
-    assert phi.lm_head.bias is not None and phi.model.layers[0].shared_input_norm
+    assert phi.lm_head.bias is not None and phi.model.layers[0].ops.wiring == PARALLEL_SHARED
     assert not hasattr(phi.model.layers[0], "post_attention_layernorm")
     assert tuple(built["stablelm"].model.layers[0].self_attn.q_norm.weight.shape) == (4, 16)
 

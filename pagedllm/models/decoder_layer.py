@@ -1,6 +1,7 @@
 """One layer of the decoder: attention (with its optional q/k norms, rope and sinks) and the MLP or
 mixture of experts, wired as the family's DecoderSettings say (pre- or post-norm, sandwich,
-parallel residual, multipliers). The decoder stacks these; the C++ layer loop reads them.
+parallel residual, multipliers). Each layer builds its modules and its description
+(models/layer_ops.py); the Python path and the C++ layer loop both run the description.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, PagedAttention
+from pagedllm.kernels.codes import PARALLEL, PARALLEL_SHARED, POST_NORM, PRE_NORM, SANDWICH
 from pagedllm.layers.norms_and_activations import HeadLayerNorm, get_activation, make_norm
 from pagedllm.layers.parallel_layers import (
     ColumnParallelLinear,
@@ -16,11 +18,8 @@ from pagedllm.layers.parallel_layers import (
     RowParallelLinear,
 )
 from pagedllm.models.families import DecoderSettings
+from pagedllm.models.layer_ops import QK_NORM_CODES, AttentionOps, KVCache, LayerOps, Rope, run_attention, run_layer
 from pagedllm.models.moe import GatedMLP, SparseMoE
-from pagedllm.models.rotary import rotate_heads
-
-Rope = tuple[torch.Tensor, torch.Tensor]
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderAttention(nn.Module):
@@ -35,36 +34,22 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * s.head_dim
         self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
         self.q_norm, self.k_norm = _qk_norms(s, self.qkv_proj)
-        self.norm_projection = s.qk_norm == "projection"  # OLMo 2: q (k) normed as a whole, before the heads
         self.use_rope = s.layer_rope[layer]
         self.attn = PagedAttention(
             self.num_heads, s.head_dim, self.num_kv_heads, scale=s.attn_scale,
             sliding_window=s.layer_windows[layer], logits_soft_cap=s.attn_softcap,
             sinks=s.family.attention_sinks,
         )
+        # What run_attention (and the C++ layer loop, through layer_program) runs.
+        self.ops = AttentionOps(
+            qkv_proj=self.qkv_proj, o_proj=self.o_proj, attn=self.attn, head_dim=s.head_dim, q_size=self.q_size,
+            kv_size=self.kv_size, qk_norm=QK_NORM_CODES[s.qk_norm], q_norm=self.q_norm, k_norm=self.k_norm,
+            rope_key=s.layer_rope_keys[layer], rotates=self.use_rope,
+        )
 
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache | None,
                 meta: AttentionMetadata | None) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        qk_size = self.q_size + self.kv_size
-        if self.q_norm is None:
-            qk = qkv[:, :qk_size]
-            if self.use_rope:
-                # Rotate q and k in one go: they are adjacent in the fused output.
-                qk = rotate_heads(qk.view(num_tokens, -1, self.head_dim), *rope).view(num_tokens, qk_size)
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        else:
-            q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
-            if self.norm_projection:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = q.reshape(num_tokens, -1, self.head_dim), k.reshape(num_tokens, -1, self.head_dim)
-            if not self.norm_projection:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if self.use_rope:
-                q, k = rotate_heads(q, *rope), rotate_heads(k, *rope)
-        v = qkv[:, qk_size:]
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return run_attention(self.ops, rope, hidden, kv_cache, meta)
 
 
 def _qk_norms(s: DecoderSettings, qkv: QKVParallelLinear) -> tuple[nn.Module | None, nn.Module | None]:
@@ -103,14 +88,13 @@ class PlainMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """The modules of one layer and its description (``ops``, models/layer_ops.py), which both the
+    Python path (``forward``) and the C++ layer loop run."""
+
     def __init__(self, s: DecoderSettings, layer: int) -> None:
         super().__init__()
         norm, hidden, eps = s.family.norm, s.hidden_size, s.norm_eps
-        self.rope_key = s.layer_rope_keys[layer]
-        self.parallel_residual = s.parallel_residual
-        self.shared_input_norm = s.shared_input_norm
-        self.post_norms = s.norm_placement == "post"
-        self.residual_scale = s.residual_scale
+        wiring = _wiring(s)
         self.self_attn = DecoderAttention(s, layer)
         if s.moe_layers[layer]:
             self.mlp: nn.Module = SparseMoE(s)
@@ -118,47 +102,36 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(s, s.intermediate_size, bias=s.mlp_bias)
         else:
             self.mlp = PlainMLP(s)
-        # Only the norms the checkpoint has: loading refuses a model parameter it does not fill.
-        if not self.post_norms:
+        # Only the norms the wiring uses (and the checkpoint has): loading refuses a model parameter
+        # it does not fill.
+        if wiring != POST_NORM:
             self.input_layernorm = make_norm(norm, hidden, eps)
-        if not self.shared_input_norm:
+        if wiring != PARALLEL_SHARED:
             self.post_attention_layernorm = make_norm(norm, hidden, eps)
-        self.sandwich = s.family.sandwich_norms
-        if self.sandwich:
+        if wiring == SANDWICH:
             self.pre_feedforward_layernorm = make_norm(norm, hidden, eps)
-        if self.sandwich or self.post_norms:
+        if wiring in (SANDWICH, POST_NORM):
             self.post_feedforward_layernorm = make_norm(norm, hidden, eps)
+        self.ops = LayerOps(
+            wiring=wiring,
+            input_norm=getattr(self, "input_layernorm", None),
+            post_attention_norm=getattr(self, "post_attention_layernorm", None),
+            pre_feedforward_norm=getattr(self, "pre_feedforward_layernorm", None),
+            post_feedforward_norm=getattr(self, "post_feedforward_layernorm", None),
+            attention=self.self_attn.ops,
+            mlp=self.mlp,
+            residual_scale=s.residual_scale,
+        )
 
     def forward(self, ropes: dict[str | None, Rope], hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache | None, meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden, residual) -> the next layer's (hidden, residual), vLLM's form: the residual is
-        carried beside the hidden state and each add is fused into the norm after it; the first
-        layer gets residual None. Parallel-residual and post-norm layers take and return a plain
-        hidden state (residual None)."""
-        rope = ropes[self.rope_key]
-        if self.post_norms:
-            hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
-            return hidden + self.post_feedforward_layernorm(self.mlp(hidden)), None
-        if self.parallel_residual:
-            normed = self.input_layernorm(hidden)
-            h = self.self_attn(rope, normed, kv_cache, meta)
-            out = self.mlp(normed if self.shared_input_norm else self.post_attention_layernorm(hidden))
-            out += h
-            out += hidden
-            return out, None
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        h = self.self_attn(rope, hidden, kv_cache, meta)
-        if self.sandwich:
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        if self.residual_scale is not None:  # Granite: residual + block(x) * scale
-            h *= self.residual_scale
-        h, residual = self.post_attention_layernorm(h, residual)
-        out = self.mlp(h)
-        if self.residual_scale is not None:
-            out *= self.residual_scale
-        return out, residual
+        return run_layer(self.ops, ropes, hidden, residual, kv_cache, meta)
+
+
+def _wiring(s: DecoderSettings) -> int:
+    """The layer's wiring code from the family's settings."""
+    if s.norm_placement == "post":
+        return POST_NORM
+    if s.parallel_residual:
+        return PARALLEL_SHARED if s.shared_input_norm else PARALLEL
+    return SANDWICH if s.family.sandwich_norms else PRE_NORM

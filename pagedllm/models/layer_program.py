@@ -1,4 +1,5 @@
-"""Each decoder layer as one description of its ops, read off the built layer: its program.
+"""Each decoder layer's description (``layer_ops.LayerOps``, which the Python path runs) encoded
+for the C++ layer loop: its program.
 
 A program names the layer's wiring (norms before each block, Gemma's sandwich, OLMo 2's norms
 after each block, the parallel block), its norms and their tensors, its q/k norms, which rope
@@ -25,23 +26,16 @@ from pagedllm.kernels.codes import (
     LAYER_NORM,
     NO_QK_NORM,
     PANEL,
-    PARALLEL,
-    PARALLEL_SHARED,
     PLAIN_ACTIVATION_CODES,
     PLAIN_MLP,
-    POST_NORM,
-    PRE_NORM,
-    QK_HEAD,
-    QK_HEADS,
-    QK_PROJECTION,
     QUANT_BLOCKS,
     RMS,
-    SANDWICH,
 )
 from pagedllm.layers.cpu_gemm import GatedPanelWeight, PanelWeight
 from pagedllm.layers.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.layers.norms_and_activations import GemmaRMSNorm, HeadLayerNorm, LayerNorm, RMSNorm
-from pagedllm.models.decoder_layer import DecoderAttention, DecoderLayer, PlainMLP
+from pagedllm.models.decoder_layer import DecoderLayer, PlainMLP
+from pagedllm.models.layer_ops import LayerOps
 from pagedllm.models.moe import GatedMLP
 from pagedllm.quantization.int8_tiles import Int8TiledTensor
 from pagedllm.quantization.kernels import cpu_kernels_serve
@@ -120,8 +114,8 @@ def _segments(linear, gated: bool = False) -> list[Segment] | None:
     return segments
 
 
-def _linears(layer: DecoderLayer, gaps: list[str]) -> list[list[Segment]]:
-    attn, mlp = layer.self_attn, layer.mlp
+def _linears(ops: LayerOps, gaps: list[str]) -> list[list[Segment]]:
+    attn, mlp = ops.attention, ops.mlp
     if isinstance(mlp, GatedMLP):
         named = [("qkv", attn.qkv_proj, False), ("o", attn.o_proj, False), ("gate_up", mlp.gate_up_proj, True),
                  ("down", mlp.down_proj, False)]
@@ -140,14 +134,6 @@ def _linears(layer: DecoderLayer, gaps: list[str]) -> list[list[Segment]]:
     return linears
 
 
-def _block(layer: DecoderLayer) -> int:
-    if layer.post_norms:
-        return POST_NORM
-    if layer.parallel_residual:
-        return PARALLEL_SHARED if layer.shared_input_norm else PARALLEL
-    return SANDWICH if layer.sandwich else PRE_NORM
-
-
 def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> LayerProgram:
     """The program of one decoder layer; ``rope_keys``: the model's rope tables in order."""
     program = LayerProgram()
@@ -155,10 +141,8 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
     if not isinstance(layer, DecoderLayer):
         gaps.append(f"a {type(layer).__name__}")
         return program
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not DecoderAttention:
-        gaps.append(f"attention: a {type(attn).__name__}")
-        return program
+    ops = layer.ops
+    attn, mlp = ops.attention, ops.mlp
     if dtype not in _KERNEL_DTYPES:
         gaps.append(f"the model's dtype {dtype} (the fused kernels take float32 or bfloat16)")
     paged = attn.attn
@@ -183,8 +167,7 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
     else:
         gaps.append(f"MLP: a {type(mlp).__name__} (a mixture of experts has no loop kernel)")
         return program
-    norms = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm",
-                                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    norms = [ops.input_norm, ops.post_attention_norm, ops.pre_feedforward_norm, ops.post_feedforward_norm]
     kinds, epsilons = set(), set()
     for name, module in zip(("input norm", "post-attention norm", "pre-feedforward norm", "post-feedforward norm"),
                             norms):
@@ -193,16 +176,11 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
         if module is not None:
             kinds.add(kind)
             epsilons.add(eps)
-    if attn.q_norm is None:
-        qk_norm, qk_kind = NO_QK_NORM, RMS
+    qk_norm = attn.qk_norm
+    if qk_norm == NO_QK_NORM:
+        qk_kind = RMS
         program.norm_tensors += [_EMPTY] * 4
     else:
-        if attn.norm_projection:
-            qk_norm = QK_PROJECTION
-        elif isinstance(attn.q_norm, HeadLayerNorm):
-            qk_norm = QK_HEADS
-        else:
-            qk_norm = QK_HEAD
         qk_kinds = set()
         for name, module in (("q norm", attn.q_norm), ("k norm", attn.k_norm)):
             kind, tensors, eps = _norm(module, name, dtype, gaps)
@@ -214,11 +192,11 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
         gaps.append("norms of different kinds in one layer")
     if len(epsilons) > 1:
         gaps.append(f"norms with different eps {sorted(epsilons)}")
-    rope = rope_keys.index(layer.rope_key) if attn.use_rope else -1
-    program.codes = [_block(layer), kinds.pop() if kinds else RMS, qk_norm, qk_kind, rope, mlp_code, activation,
+    rope = rope_keys.index(attn.rope_key) if attn.rotates else -1
+    program.codes = [ops.wiring, kinds.pop() if kinds else RMS, qk_norm, qk_kind, rope, mlp_code, activation,
                      paged.sliding_window or 0]
-    program.scalars = [float(layer.residual_scale or 0.0), float(paged.logits_soft_cap or 0.0)]
-    program.linears = _linears(layer, gaps)
+    program.scalars = [float(ops.residual_scale or 0.0), float(paged.logits_soft_cap or 0.0)]
+    program.linears = _linears(ops, gaps)
     program.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, paged.scale, intermediate,
                      epsilons.pop() if len(epsilons) == 1 else None)
     return program
