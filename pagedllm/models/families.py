@@ -5,9 +5,10 @@ Gemma's ``1 + weight`` RMSNorm, LayerNorm with or without bias), its q/k norms (
 per head, or over the whole projection), where its norms sit (before each block, Gemma's extra
 norms around attention and MLP, OLMo 2's after each block), GPT-NeoX's parallel residual (with two
 input norms or, Phi and Cohere, one), a gated or plain MLP or a mixture of experts, embedding
-scaling, interleaved rope, and how its checkpoint names map onto ours. The rest (biases,
-activation, soft-capping, sliding windows, rope, Granite's and Cohere's multipliers) is read from
-the config.
+scaling, interleaved rope, which layers go without rope, and how its checkpoint names map onto
+ours. The rest (biases, activation, soft-capping, sliding windows, rope, Granite's and Cohere's
+multipliers) is read from the config. The architectures of transformers it does not serve are
+listed, with what each lacks, in unsupported_families.py.
 """
 
 from __future__ import annotations
