@@ -1,8 +1,9 @@
 """Every dense decoder family runs through the C++ layer loop, bit for bit as its Python layers.
 
-Each family's tiny random model (the configs the transformers-equality tests use: test_model_families
-and test_model_families_2026) is built with weights the loop multiplies (int8 rows, which every
-instruction-set level serves, and our bfloat16 / float32 panels where this CPU has them). Its layer
+Each family's tiny random model (the configs the transformers-equality tests use: test_model_families,
+test_model_families_2026 and test_model_families_transformers) is built with weights the loop
+multiplies (int8 rows, which every instruction-set level serves, and our bfloat16 / float32 panels
+where this CPU has them). Its layer
 programs must have no gaps, every step of test_layer_stack's STEPS must go through the loop, and
 the logits must equal the Python layers' exactly: the Python layers are the ones the family tests
 compare with transformers, so the loop's tokens are transformers' too. A family whose programs gain
@@ -17,11 +18,14 @@ from requirements_here import require
 from test_layer_stack import STEPS, _count_stack_runs, _step_logits, _without_stack
 from test_model_families import family_config as family_config_a
 from test_model_families_2026 import family_config as family_config_b
+from test_model_families_transformers import DENSE as DENSE_C
+from test_model_families_transformers import family_config as family_config_c
 from test_models import TINY
 
 from pagedllm.kernels import use_kernel_config
 from pagedllm.layers.cpu_gemm import panels_supported
 from pagedllm.models import build_model, load_model_config
+from pagedllm.models.families import FAMILIES
 from pagedllm.models.layer_program import gaps_summary
 from pagedllm.models.layer_stack import model_programs, stack_report
 
@@ -51,6 +55,7 @@ DENSE = {
     "phi-qk-layernorm": lambda: family_config_b("phi-qk-layernorm"),
     "cohere": lambda: family_config_b("cohere"),
     "cohere2": lambda: family_config_b("cohere2"),
+    **{name: (lambda name=name: family_config_c(name)) for name in DENSE_C},
 }
 
 
@@ -83,6 +88,14 @@ def test_every_dense_family_runs_in_the_layer_loop(name, dtype, weights, tmp_pat
         without = _without_stack(model, model_config)
     for step, (a, b) in enumerate(zip(with_stack, without, strict=True)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+def test_every_dense_family_has_a_config_here() -> None:
+    """A dense family cannot join families.FAMILIES without a config in DENSE, whose programs the test
+    above holds to no gaps (a mixture of experts has no loop kernel: those stay on the Python layers)."""
+    covered = {DENSE[name]().model_type for name in DENSE}
+    dense = {model_type for model_type, family in FAMILIES.items() if not family.moe}
+    assert dense <= covered, f"add a config to DENSE for {sorted(dense - covered)}"
 
 
 def test_a_layer_the_loop_cannot_run_names_its_gap(tmp_path) -> None:

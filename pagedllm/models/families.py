@@ -5,9 +5,10 @@ Gemma's ``1 + weight`` RMSNorm, LayerNorm with or without bias), its q/k norms (
 per head, or over the whole projection), where its norms sit (before each block, Gemma's extra
 norms around attention and MLP, OLMo 2's after each block), GPT-NeoX's parallel residual (with two
 input norms or, Phi and Cohere, one), a gated or plain MLP or a mixture of experts, embedding
-scaling, interleaved rope, and how its checkpoint names map onto ours. The rest (biases,
-activation, soft-capping, sliding windows, rope, Granite's and Cohere's multipliers) is read from
-the config.
+scaling, interleaved rope, which layers go without rope, and how its checkpoint names map onto
+ours. The rest (biases, activation, soft-capping, sliding windows, rope, Granite's and Cohere's
+multipliers) is read from the config. The architectures of transformers it does not serve are
+listed, with what each lacks, in unsupported_families.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from pagedllm.layers.norms_and_activations import get_activation
 from pagedllm.models.rotary import check_rope, head_dim_of, rope_layer_key
+from pagedllm.models.unsupported_families import unsupported_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,10 @@ class Family:
     # halves computes the same dot products (and keeps its fused kernel).
     rope_interleaved: bool = False
     nope_full_attention: bool = False  # Cohere 2: the full-attention layers have no rope
+    # EXAONE 4: its full-attention layers lose rope only in a model that has sliding layers (sliding_window set).
+    nope_needs_window: bool = False
+    # The config's per-layer list that says which layers rotate q and k (SmolLM3's no_rope_layers: 1 = rope).
+    rope_layers_key: str | None = None
     lm_head_bias: bool = False  # Phi-2
     gated_mlp: bool = True  # act(gate(x)) * up(x); False: act(up(x))
     moe: bool = False  # sparse mixture of experts in place of the MLP
@@ -56,6 +62,7 @@ class Family:
     bias_key: str = "attention_bias"  # the config switch for the attention projections' biases
     qkv_bias: bool | None = None  # fixed by the family (None: the config's bias_key)
     o_bias: bool | None = None
+    o_bias_key: str | None = None  # the o projection's own config switch (Seed-OSS: attention_out_bias)
     mlp_bias_key: str = "mlp_bias"
     mlp_bias: bool | None = None
     qkv_per_head: bool = False  # one fused tensor holding [q, k, v] of each head in turn (GPT-NeoX)
@@ -75,6 +82,15 @@ _NEOX_NAMES = ((".embed_in.", ".embed_tokens."), (".attention.query_key_value.",
                (".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.c_fc."),
                (".mlp.dense_4h_to_h.", ".mlp.c_proj."), (".final_layer_norm.", ".norm."),
                (".embed_out.", ".lm_head."))
+# GLM-4's norms around each block, onto Gemma 2's names for the same places.
+_GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+               (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+               (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
+# EXAONE 3's own names (its checkpoints keep them; transformers maps them onto Llama's).
+_EXAONE_NAMES = ((".wte.", ".embed_tokens."), (".h.", ".layers."), (".ln_f.", ".norm."),
+                 (".attn.attention.", ".self_attn."), (".out_proj.", ".o_proj."), (".ln_1.", ".input_layernorm."),
+                 (".ln_2.", ".post_attention_layernorm."), (".c_fc_0.", ".gate_proj."), (".c_fc_1.", ".up_proj."),
+                 (".c_proj.", ".down_proj."))
 
 # model_type -> family.
 FAMILIES: dict[str, Family] = {
@@ -111,13 +127,40 @@ FAMILIES: dict[str, Family] = {
     # Sliding and full layers alternate (layer_types); the experts' clamped SwiGLU is read from the config.
     "gpt_oss": Family(("GptOssForCausalLM",), moe=True, routing="topk_softmax", router_bias=True, expert_bias=True,
                       fused_experts=True, attention_sinks=True, renames=_GPT_OSS_NAMES),
+    # Llama's layers under other names or configs.
+    "exaone": Family(("LlamaForCausalLM",), prefix="transformer.", renames=_EXAONE_NAMES),
+    "internlm3": Family(("LlamaForCausalLM",)),
+    "iquestcoder": Family(("LlamaForCausalLM",)),
+    "cwm": Family(("CwmForCausalLM",), qkv_bias=False, o_bias=False),  # sliding and full layers (layer_types)
+    "ministral": Family(("MinistralForCausalLM",), qkv_bias=False, o_bias=False),
+    "seed_oss": Family(("SeedOssForCausalLM",), o_bias_key="attention_out_bias"),
+    "smollm3": Family(("SmolLM3ForCausalLM",), rope_layers_key="no_rope_layers"),
+    # Rope over channel pairs: Helium and ERNIE 4.5 over the whole head, GLM and GLM-4 over the first
+    # partial_rotary_factor of it.
+    "helium": Family(("HeliumForCausalLM",), rope_interleaved=True, o_bias=False),
+    "ernie4_5": Family(("Ernie4_5ForCausalLM",), rope_interleaved=True, bias_key="use_bias", mlp_bias_key="use_bias"),
+    "glm": Family(("GlmForCausalLM",), rope_interleaved=True, o_bias=False),
+    "glm4": Family(("Glm4ForCausalLM",), rope_interleaved=True, o_bias=False, sandwich_norms=True,
+                   renames=_GLM4_NAMES),
+    # Gemma 2 without the norms after attention and after the MLP.
+    "vaultgemma": Family(("VaultGemmaForCausalLM",), norm="gemma_rms", scale_embeddings=True,
+                         renames=((".pre_feedforward_layernorm.", ".post_attention_layernorm."),)),
+    # OLMo 2's norms after each block with q/k norms per head; rope on the sliding layers only.
+    "exaone4": Family(("Exaone4ForCausalLM",), qk_norm=True, norm_placement="post", nope_full_attention=True,
+                      nope_needs_window=True),
+    "olmoe": Family(("OlmoeForCausalLM",), qk_norm=True, qk_norm_shape="projection", moe=True),
+    "flex_olmo": Family(("FlexOlmoForCausalLM",), qk_norm=True, qk_norm_shape="projection", norm_placement="post",
+                        moe=True),
+    "mellum": Family(("MellumForCausalLM",), qk_norm=True, moe=True),  # dense and sparse layers: mlp_layer_types
 }
 
 
 def family_of(hf_config: Any) -> Family:
     model_type = getattr(hf_config, "model_type", "")
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not a decoder family pagedllm implements.")
+        reason = unsupported_reason(model_type)
+        raise ValueError(f"{reason}." if reason else f"model_type {model_type!r} is not a decoder family pagedllm "
+                         "implements.")
     return FAMILIES[model_type]
 
 
@@ -188,11 +231,35 @@ def _multiplier(config: Any, key: str) -> float | None:
     return None if value is None or float(value) == 1.0 else float(value)
 
 
+def _o_bias(config: Any, family: Family, qkv_switch: bool) -> bool:
+    if family.o_bias is not None:
+        return family.o_bias
+    if family.o_bias_key is not None:
+        return bool(getattr(config, family.o_bias_key, False))
+    return qkv_switch
+
+
+def layer_rope(config: Any, family: Family, layer_types: list[str | None]) -> tuple[bool, ...]:
+    """Per layer: whether q and k are rotated."""
+    if family.rope_layers_key is not None:
+        flags = getattr(config, family.rope_layers_key, None)
+        if flags is not None:
+            if len(flags) != len(layer_types):
+                raise ValueError(f"{family.rope_layers_key} has {len(flags)} entries for {len(layer_types)} layers.")
+            return tuple(bool(flag) for flag in flags)
+    nope_full = family.nope_full_attention and (
+        not family.nope_needs_window or getattr(config, "sliding_window", None) is not None)
+    return tuple(not (nope_full and kind != "sliding_attention") for kind in layer_types)
+
+
 def decoder_settings(config: Any) -> DecoderSettings:
     """The settings of a config's decoder; ValueError for a variant the decoder cannot express."""
     family = family_of(config)
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Bidirectional attention (use_bidirectional_attention=True) is not supported.")
+    if getattr(config, "clip_qkv", None) is not None:
+        # OLMo's and OLMoE's optional clamp of q, k and v: no layer here clamps them.
+        raise ValueError(f"clip_qkv={config.clip_qkv} (q, k and v clamped) is not supported.")
     num_layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or [None] * num_layers
     if len(layer_types) != num_layers:
@@ -209,8 +276,10 @@ def decoder_settings(config: Any) -> DecoderSettings:
     shared_size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared_expert else 0
     sparse_step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
+    mlp_types = getattr(config, "mlp_layer_types", None) or ["sparse"] * num_layers  # Mellum: "sparse" / "dense"
     moe_layers = tuple(
-        num_experts > 0 and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(num_layers)
+        num_experts > 0 and i not in dense_layers and (i + 1) % sparse_step == 0 and mlp_types[i] == "sparse"
+        for i in range(num_layers)
     )
     scalar = getattr(config, "query_pre_attn_scalar", None)
     attn_scale = getattr(config, "attention_multiplier", None)  # Granite: the scale itself, 1.0 included
@@ -230,7 +299,7 @@ def decoder_settings(config: Any) -> DecoderSettings:
         norm_eps=float(_first(config, "rms_norm_eps", "layer_norm_eps", "norm_epsilon", default=1e-6)),
         activation=activation,
         qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
-        o_bias=bias if family.o_bias is None else family.o_bias,
+        o_bias=_o_bias(config, family, bias),
         mlp_bias=bool(getattr(config, family.mlp_bias_key, False)) if family.mlp_bias is None else family.mlp_bias,
         parallel_residual=parallel,
         shared_input_norm=parallel and family.shared_input_norm,
@@ -245,7 +314,7 @@ def decoder_settings(config: Any) -> DecoderSettings:
         logit_scale=logit_scale,
         layer_windows=layer_windows(config),
         layer_rope_keys=rope_keys,
-        layer_rope=tuple(not (family.nope_full_attention and kind != "sliding_attention") for kind in layer_types),
+        layer_rope=layer_rope(config, family, layer_types),
         moe_layers=moe_layers,
         num_experts=num_experts,
         num_experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),

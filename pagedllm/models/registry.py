@@ -10,6 +10,7 @@ from torch import nn
 from pagedllm.attention.kv_spec import KVCacheSpec
 from pagedllm.kv_cache_format import AUTO, KVCacheFormat
 from pagedllm.models.families import FAMILIES
+from pagedllm.models.unsupported_families import unsupported_reason
 
 if TYPE_CHECKING:
     from pagedllm.config import ModelConfig
@@ -34,8 +35,10 @@ def supported_architectures() -> list[str]:
     return list(_MODELS)
 
 
-def _unsupported(what: str) -> ValueError:
-    return ValueError(f"Model architecture {what} is not supported. Supported architectures: {', '.join(_MODELS)}.")
+def _unsupported(what: str, model_type: str = "") -> ValueError:
+    reason = unsupported_reason(model_type)
+    return ValueError(f"Model architecture {what} is not supported. Supported architectures: {', '.join(_MODELS)}."
+                      + (f" {reason}." if reason else ""))
 
 
 def resolve_architecture(hf_config: Any) -> str:
@@ -44,10 +47,10 @@ def resolve_architecture(hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", "")
     arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(model_type, "")
     if arch not in _MODELS:
-        raise _unsupported(arch or f"model_type={model_type!r}")
+        raise _unsupported(arch or f"model_type={model_type!r}", model_type)
     if _MODELS[arch][0] == "decoder" and model_type not in FAMILIES:
         # The class name alone is not enough: the decoder reads the family from model_type.
-        raise _unsupported(f"{arch} (model_type={model_type!r})")
+        raise _unsupported(f"{arch} (model_type={model_type!r})", model_type)
     return arch
 
 
