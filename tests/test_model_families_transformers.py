@@ -21,6 +21,7 @@ from test_model_families import PROMPT_LENS, VOCAB, WINDOW, hf_prompt_and_step, 
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import PagedAttention
+from pagedllm.kernels.codes import SANDWICH
 from pagedllm.models import build_model, load_model_config
 
 transformers = require("transformers")
@@ -129,13 +130,13 @@ def _built(tmp_path, name: str):
 def test_settings_reach_the_layers(tmp_path) -> None:
     """The settings the equality tests exercise, read off the built models (were transformers to
     ignore a setting as we do, the equality would hold without them)."""
-    uses_rope = {name: [layer.self_attn.use_rope for layer in _built(tmp_path, name).model.layers]
+    uses_rope = {name: [layer.ops.attention.rotates for layer in _built(tmp_path, name).model.layers]
                  for name in ("smollm3", "exaone4", "exaone4-global")}
     assert uses_rope == {"smollm3": [True, False], "exaone4": [True, False], "exaone4-global": [True, True]}
     seed = _built(tmp_path, "seed_oss").model.layers[0].self_attn
     assert seed.qkv_proj.bias is not None and seed.o_proj.bias is None
     glm4 = _built(tmp_path, "glm4").model.layers[0]
-    assert glm4.sandwich and glm4.self_attn.attn.sliding_window is None
+    assert glm4.ops.wiring == SANDWICH and glm4.self_attn.attn.sliding_window is None
     vault = _built(tmp_path, "vaultgemma")
     layer = vault.model.layers[0]
     assert not hasattr(layer, "pre_feedforward_layernorm") and not hasattr(layer, "post_feedforward_layernorm")
