@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.engine.engine_client import EngineClient
-from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.request import EngineRequest
 from pagedllm.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -231,31 +230,20 @@ class AsyncLLMEngine(EngineClient):
         if self._stopping:
             raise EngineDeadError("The server is shutting down.")
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        prompt_cache_key: str | None = None,
-    ) -> None:
+    async def add(self, request: EngineRequest) -> None:
         """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it.
 
-        ``params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then yields
-        one PoolingRequestOutput, when the prompt is done). ``prompt_cache_key`` routes requests
-        among data-parallel replicas (ReplicatedEngine); one engine caches prefixes by their content
-        alone, so here it changes nothing."""
+        ``request.params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then
+        yields one PoolingRequestOutput, when the prompt is done)."""
         self.check_alive()
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        stream = _RequestStream(request_id, arrival_time)
+        stream = _RequestStream(request_id, request.arrival_time)
         # Registered before the engine sees the request, so no output can arrive without a stream.
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine_thread(self.engine.add_request, request_id, prompt, params, arrival_time,
-                                            priority)
+            await self.run_in_engine_thread(self.engine.add, request)
         except asyncio.CancelledError:
             # The add may still run on the engine thread: abort after it (the thread is FIFO).
             self.abort(request_id)

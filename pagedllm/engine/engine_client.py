@@ -1,17 +1,19 @@
 """What the server asks of an engine: one engine in this process (AsyncLLMEngine) or data-parallel
 replicas behind a router (serving/replica_frontend.py's ReplicatedEngine).
 
-The HTTP layer is written against this class alone. ``generate`` and ``encode`` are written once
-here over the two calls each front end implements its own way: ``add_request`` (queue, or route then
-queue) and ``stream_outputs``.
+The HTTP layer is written against this class alone. ``add_request``, ``generate`` and ``encode`` are
+written once here over the two calls each front end implements its own way: ``add`` (queue one
+``EngineRequest``, or route it then queue it) and ``stream_outputs``.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Collection
 from typing import Any
 
+from pagedllm.engine.request import EngineRequest
 from pagedllm.pooling_outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -46,7 +48,6 @@ class EngineClient(ABC):
     @abstractmethod
     def fail_all_requests(self, message: str) -> None: ...
 
-    @abstractmethod
     async def add_request(
         self,
         request_id: str,
@@ -57,7 +58,14 @@ class EngineClient(ABC):
         prompt_cache_key: str | None = None,
     ) -> None:
         """Queue one request; ValueError (nothing queued) on bad input. ``prompt_cache_key`` routes
-        requests among replicas (one engine caches prefixes by their content alone)."""
+        requests among replicas (one engine caches prefixes by their content alone). Without an
+        ``arrival_time`` the request arrives now."""
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        await self.add(EngineRequest(request_id, prompt, params, arrival_time, priority, prompt_cache_key))
+
+    @abstractmethod
+    async def add(self, request: EngineRequest) -> None:
+        """Queue ``request`` (its arrival time set): on this engine, or on the replica routing picks."""
 
     @abstractmethod
     def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
