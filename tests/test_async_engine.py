@@ -234,7 +234,7 @@ def test_engine_failing_between_add_and_read_fails_the_read() -> None:
         engine = AsyncLLMEngine(fake)
         engine.start()
         fake.fail_on_step = True
-        await engine.add_request("r", "hi", SamplingParams(max_tokens=5))
+        await engine.add(EngineRequest("r", "hi", SamplingParams(max_tokens=5)))
         while engine.is_healthy:
             await asyncio.sleep(0.005)
         with pytest.raises(EngineDeadError, match="boom in step"):

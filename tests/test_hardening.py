@@ -266,7 +266,7 @@ def test_hostile_sampling_params_raise_before_scheduling_or_complete(llm, refere
 def test_stop_holdback_and_stop_check_look_only_at_the_tail():
     """The issue's 10,000 x 400-char stop list made each streamed chunk cost O(stops x len^2): /health
     stalled. Capped and tail-only, the largest allowed list on a long text costs milliseconds."""
-    from pagedllm.core.stop_checker import check_stop
+    from pagedllm.core.stop_checker import check_stop_text
     from pagedllm.sequence import Sequence
 
     stops = [f"{i:03d}" + "ab" * ((MAX_STOP_STRING_CHARS - 3) // 2) for i in range(MAX_STOP_STRINGS)]
@@ -281,7 +281,7 @@ def test_stop_holdback_and_stop_check_look_only_at_the_tail():
     seq.output_text = text
     start = time.perf_counter()
     for _ in range(10):
-        check_stop(seq, params, 2, None, 10**9)
+        check_stop_text(seq, params, 2, seq.get_output_len(), stopped_by_token=False)
     check_seconds = (time.perf_counter() - start) / 10
     assert not seq.is_finished()
     # The old holdback took ~0.5 s for this on this machine; a generous bound against noise.

@@ -231,11 +231,13 @@ class AsyncLLMEngine(EngineClient):
             raise EngineDeadError("The server is shutting down.")
 
     async def add(self, request: EngineRequest) -> None:
-        """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it.
+        """Queue one request; raises ValueError (nothing queued) on bad input. Read it with stream_outputs().
 
         ``request.params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then
-        yields one PoolingRequestOutput, when the prompt is done)."""
+        yields one PoolingRequestOutput, when the prompt is done). One engine caches prefixes by their
+        content alone: ``request.cache_key`` changes nothing here."""
         self.check_alive()
+        request = request.with_arrival_time()
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -256,13 +258,13 @@ class AsyncLLMEngine(EngineClient):
         self._work.set()
 
     async def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the outputs of a request added with add_request until it finishes.
+        """Yield the outputs of a request added with ``add`` until it finishes.
 
         Closing or cancelling the generator before the end aborts the request.
         """
         stream = self._streams.get(request_id)
         if stream is None:
-            if self.dead_error is not None:  # the engine failed between add_request and this read
+            if self.dead_error is not None:  # the engine failed between add and this read
                 raise EngineDeadError(
                     f"The engine failed while running this request: {type(self.dead_error).__name__}: "
                     f"{self.dead_error}"

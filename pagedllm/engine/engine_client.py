@@ -1,14 +1,13 @@
 """What the server asks of an engine: one engine in this process (AsyncLLMEngine) or data-parallel
 replicas behind a router (serving/replica_frontend.py's ReplicatedEngine).
 
-The HTTP layer is written against this class alone. ``add_request``, ``generate`` and ``encode`` are
-written once here over the two calls each front end implements its own way: ``add`` (queue one
-``EngineRequest``, or route it then queue it) and ``stream_outputs``.
+The HTTP layer is written against this class alone. ``generate`` and ``encode`` are written once
+here over the two calls each front end implements its own way: ``add`` (queue one ``EngineRequest``,
+or route it then queue it) and ``stream_outputs``.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Collection
 from typing import Any
@@ -48,24 +47,11 @@ class EngineClient(ABC):
     @abstractmethod
     def fail_all_requests(self, message: str) -> None: ...
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        prompt_cache_key: str | None = None,
-    ) -> None:
-        """Queue one request; ValueError (nothing queued) on bad input. ``prompt_cache_key`` routes
-        requests among replicas (one engine caches prefixes by their content alone). Without an
-        ``arrival_time`` the request arrives now."""
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        await self.add(EngineRequest(request_id, prompt, params, arrival_time, priority, prompt_cache_key))
-
     @abstractmethod
     async def add(self, request: EngineRequest) -> None:
-        """Queue ``request`` (its arrival time set): on this engine, or on the replica routing picks."""
+        """Queue one request, on this engine or on the replica routing picks (by its prompt and
+        ``cache_key``); ValueError (nothing queued) on bad input. Without an ``arrival_time`` it
+        arrives now."""
 
     @abstractmethod
     def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -89,8 +75,8 @@ class EngineClient(ABC):
         self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None,
         buffered: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """add_request + stream_outputs: validation errors raise on the first iteration."""
-        await self.add_request(request_id, prompt, params, arrival_time)
+        """add + stream_outputs: validation errors raise on the first iteration."""
+        await self.add(EngineRequest(request_id, prompt, params, arrival_time))
         if buffered:
             self.buffer_outputs([request_id])
         async for output in self.stream_outputs(request_id):
@@ -100,6 +86,6 @@ class EngineClient(ABC):
         self, prompt: Any, params: PoolingParams, request_id: str, arrival_time: float | None = None
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """A pooling request (vLLM's name): one PoolingRequestOutput, its ``outputs.data`` the embedding."""
-        await self.add_request(request_id, prompt, params, arrival_time)
+        await self.add(EngineRequest(request_id, prompt, params, arrival_time))
         async for output in self.stream_outputs(request_id):
             yield output  # type: ignore[misc]

@@ -1,12 +1,14 @@
-"""One request as the engine fronts take it: what ``add_request`` is given, as one value.
+"""One request as the engines take it: what ``add_request`` is given, as one value.
 
-``EngineClient.add_request`` (the server's fronts), ``LLMEngine.add_request`` and ``LLM.generate``
-build it; ``LLMEngine.make_seq_group`` checks it and a replica receives it over Ray whole.
+The server's handlers hand it to their front (``EngineClient.add``: one engine, or replicas, each of
+which receives it over Ray whole); ``LLMEngine.add_request`` and ``LLM.generate`` build it for
+``LLMEngine.make_seq_group``, which checks it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedllm.pooling_params import PoolingParams
@@ -26,3 +28,7 @@ class EngineRequest:
     # Routes requests among data-parallel replicas (the router keeps a key on one replica); one
     # engine caches prefixes by their content alone and ignores it.
     cache_key: str | None = None
+
+    def with_arrival_time(self) -> EngineRequest:
+        """This request with its arrival time set: now, when it has none."""
+        return self if self.arrival_time is not None else replace(self, arrival_time=time.time())

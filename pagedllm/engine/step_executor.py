@@ -11,6 +11,8 @@ sequence whose grammar allows no token is marked finished for ``Scheduler.update
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,29 +35,24 @@ from pagedllm.worker.pooler import accumulate
 BatchRows = list[tuple[SequenceGroup, list[tuple[Sequence, int, int]]]]
 
 
+@dataclass
 class StepExecutor:
-    """``execute(sched) -> ModelOutput`` for the EngineCore. ``generators`` holds the seeded requests'
-    own torch generators, by request id (the engine adds and drops them)."""
+    """``execute(sched) -> ModelOutput`` for the EngineCore. It reads the block manager's tables and
+    never changes them."""
 
-    def __init__(
-        self,
-        model_executor: ModelExecutor,
-        block_manager: BlockManager,
-        structured_outputs: StructuredOutputManager,
-        beam_searcher: BeamSearcher,
-        step_timer: StepTimer,
-        uses_draft_model: bool,
-    ) -> None:
-        self.model_executor = model_executor
-        self.block_manager = block_manager
-        self.structured_outputs = structured_outputs
-        self.beam_searcher = beam_searcher
-        self.step_timer = step_timer
-        self.uses_draft_model = uses_draft_model
-        self.generators: dict[str, torch.Generator] = {}
-        self.num_steps = 0
+    model_executor: ModelExecutor
+    block_manager: BlockManager
+    structured_outputs: StructuredOutputManager
+    beam_searcher: BeamSearcher
+    step_timer: StepTimer
+    uses_draft_model: bool  # the worker runs a draft model (it needs each sequence's previous token)
+    # The seeded requests' own torch generators, by request id (the engine adds and drops them).
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
         # Without a runner in this process (tensor parallelism) the whole execution counts as "forward".
-        self._runner_timed = model_executor.attach_step_timer(step_timer)
+        self._runner_timed = self.model_executor.attach_step_timer(self.step_timer)
 
     def execute(self, sched: SchedulerOutputs) -> ModelOutput:
         """The step's input built, the forward pass run, its sampler output (prompt logprobs, model
@@ -122,35 +119,23 @@ class StepExecutor:
             rewind_generator(generator, state, num_rows_used, group.sampling_params)
 
     @staticmethod
-    def _add_prompt_logprobs(sched: SchedulerOutputs, computed: dict[int, list] | None) -> None:
+    def _add_prompt_logprobs(sched: SchedulerOutputs, computed: dict[int, list]) -> None:
         """Append this step's prompt logprobs (one prompt chunk's) to their groups'."""
-        if not computed:
-            return
-        for group in sched.scheduled_seq_groups:
-            for seq in group.seqs:
-                if seq.seq_id in computed:
-                    # The first token has no logprob: nothing predicts it.
-                    group.prompt_logprobs = (group.prompt_logprobs or [None]) + computed[seq.seq_id]
+        for group, _, chunk in _scheduled_seqs_in(sched, computed):
+            # The first token has no logprob: nothing predicts it.
+            group.prompt_logprobs = (group.prompt_logprobs or [None]) + chunk
 
     @staticmethod
-    def _take_pooled(sched: SchedulerOutputs, pooled: dict[int, Any] | None) -> None:
+    def _take_pooled(sched: SchedulerOutputs, pooled: dict[int, Any]) -> None:
         """Fold this step's pooled chunks into their requests' pooling state."""
-        if not pooled:
-            return
-        for group in sched.scheduled_seq_groups:
-            for seq in group.seqs:
-                if seq.seq_id in pooled:
-                    group.pooled_state = accumulate(group.pooled_state, pooled[seq.seq_id], group.pooling_type)
+        for group, _, chunk in _scheduled_seqs_in(sched, pooled):
+            group.pooled_state = accumulate(group.pooled_state, chunk, group.pooling_type)
 
     @staticmethod
-    def _take_model_drafts(sched: SchedulerOutputs, drafts: dict[int, list[int]] | None) -> None:
+    def _take_model_drafts(sched: SchedulerOutputs, drafts: dict[int, list[int]]) -> None:
         """The draft model's drafts replace the stand-ins the scheduler booked, before verification."""
-        if not drafts:
-            return
-        for group in sched.scheduled_seq_groups:
-            for seq in group.seqs:
-                if seq.seq_id in drafts:
-                    seq.spec_token_ids = drafts[seq.seq_id]
+        for _, seq, seq_drafts in _scheduled_seqs_in(sched, drafts):
+            seq.spec_token_ids = seq_drafts
 
     # ------------------------------------------------------------------ the step's input
 
@@ -283,3 +268,15 @@ class StepExecutor:
                 seq.stop_reason = "structured output: no token can continue the grammar"
             row += num_rows
         return masks, errors
+
+
+def _scheduled_seqs_in(
+    sched: SchedulerOutputs, values: dict[int, Any]
+) -> Iterator[tuple[SequenceGroup, Sequence, Any]]:
+    """(group, sequence, value) for every scheduled sequence ``values`` (by seq id) has an entry for."""
+    if not values:
+        return
+    for group in sched.scheduled_seq_groups:
+        for seq in group.seqs:
+            if seq.seq_id in values:
+                yield group, seq, values[seq.seq_id]

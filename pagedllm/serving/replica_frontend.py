@@ -1,6 +1,6 @@
 """ReplicatedEngine: the server's engine front when the engines are replicas on Ray.
 
-It answers what the server asks of AsyncLLMEngine (add_request, stream_outputs, abort,
+It answers what the server asks of AsyncLLMEngine (add, stream_outputs, abort,
 check_alive, is_healthy, get_stats, start, shutdown, fail_all_requests, ``engine`` with the
 tokenizer and configs, ``output_observer``), so the OpenAI handlers run unchanged. Each request
 goes to the replica the router (pagedllm/serving/router.py) chooses from the prompt's token ids and
@@ -246,6 +246,7 @@ class ReplicatedEngine(EngineClient):
         self.check_alive()
         if request.request_id in self._requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        request = request.with_arrival_time()
         token_ids = await self._routing_token_ids(request.prompt)
         routed = _Request(request, token_ids, RequestTiming(request.arrival_time))
         self._requests[request.request_id] = routed
@@ -319,7 +320,7 @@ class ReplicatedEngine(EngineClient):
         return item
 
     async def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the outputs of a request added with add_request until it finishes (closing aborts it)."""
+        """Yield the outputs of a request added with ``add`` until it finishes (closing aborts it)."""
         request = self._requests.get(request_id)
         if request is None:
             raise KeyError(f"No request {request_id!r} in flight.")
