@@ -667,7 +667,7 @@ class Scheduler:
             return None
         return RequestStepOutput(group, new_tokens)
 
-    def _check_rows(self, rows: list[int], model_output: ModelOutput) -> None:
+    def _check_rows(self, rows: Iterable[int], model_output: ModelOutput) -> None:
         """Raise a row's sampling failure (its request fails at "sampling")."""
         self._stage = "sampling"
         for row in rows:
@@ -678,7 +678,7 @@ class Scheduler:
         self, group: SequenceGroup, seq: Sequence, row: int, model_output: ModelOutput, new: NewTokens
     ) -> None:
         """Append sampler row ``row``'s token to ``seq`` (and to ``new``) and check its stop."""
-        self._check_rows([row], model_output)
+        self._check_rows((row,), model_output)
         self._stage = "processing its output"
         token_id, logprob = model_output.token_ids[row], model_output.logprobs[row]
         seq.append_token(token_id, logprob, model_output.top_logprobs[row])
