@@ -103,6 +103,7 @@ def run_real_trace(engine, trace, vocab_low: int = 100, record_steps: bool = Fal
     """
     import random
 
+    from pagedllm.engine.request import EngineRequest
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.simulator.serving import step_features
 
@@ -131,7 +132,7 @@ def run_real_trace(engine, trace, vocab_low: int = 100, record_steps: bool = Fal
             index += 1
             prompt = [rng.randrange(vocab_low, vocab) for _ in range(req.prompt_len)]
             params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-            group = engine.make_seq_group(req.request_id, {"prompt_token_ids": prompt}, params)
+            group = engine.make_seq_group(EngineRequest(req.request_id, {"prompt_token_ids": prompt}, params))
             group.oracle_output_len = req.output_len
             engine.enqueue(group)
             arrival[req.request_id] = req.arrival_time

@@ -122,6 +122,13 @@ class Sequence:
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
 
+    def truncate_output(self, num_tokens: int, cumulative_logprob: float) -> None:
+        """Keep the first ``num_tokens`` generated tokens (a stop string ended the sequence before
+        tokens appended after it in the same step); ``cumulative_logprob`` is theirs."""
+        del self.output_token_ids[num_tokens:]
+        del self.output_logprobs[num_tokens:]
+        self.cumulative_logprob = cumulative_logprob
+
     def is_finished(self) -> bool:
         return self.status.is_finished
 

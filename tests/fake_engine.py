@@ -6,7 +6,7 @@ each step every scheduled sequence is read back through its block table before i
 (request, sample index, length), the final outputs must be the same whatever the pool size,
 token budget, chunking, preemption mode or prefix caching: a strong end-to-end check that
 preemption, swapping, copy-on-write, chunks and prefix hits never lose or corrupt state. The
-bookkeeping after each step is the scheduler's own ``postprocess``, as in the real engine.
+bookkeeping after each step is the scheduler's own ``update``, as in the real engine.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ class FakeKV:
             assert self._block(block.device, block.block_id)[pos % BS] == tuple(tokens[: pos + 1])
 
 
-def fake_token(group: SequenceGroup, seq: Sequence) -> int:
-    index = group.seqs.index(seq)
-    return (hash(group.request_id) + 7 * index + 3 * seq.get_len()) % 13
+def fake_token(group: SequenceGroup, sample_index: int, seq_len: int) -> int:
+    return (hash(group.request_id) + 7 * sample_index + 3 * seq_len) % 13
 
 
 class FakeEngine:
@@ -120,7 +119,7 @@ class FakeEngine:
         step = self.core.step()
         out, result = step.sched, step.result
         assert not result.failed, result.failed
-        for group in result.groups_with_tokens:
+        for group in (request.group for request in result.requests):
             self.first_token_step.setdefault(group.request_id, len(self.history))
             if group.is_finished():
                 self.finished[group.request_id] = group

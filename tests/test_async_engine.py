@@ -9,6 +9,7 @@ import time
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.request import EngineRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -29,12 +30,12 @@ class FakeEngine:
         assert self._guard.acquire(blocking=False), "two engine calls overlapped"
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time=None, priority=0) -> None:
+    def add(self, request: EngineRequest) -> None:
         self._enter()
         try:
-            if not prompt:
+            if not request.prompt:
                 raise ValueError("The prompt is empty.")
-            self.requests[request_id] = [prompt, params.max_tokens, [], arrival_time]
+            self.requests[request.request_id] = [request.prompt, request.params.max_tokens, [], request.arrival_time]
         finally:
             self._guard.release()
 
@@ -233,7 +234,7 @@ def test_engine_failing_between_add_and_read_fails_the_read() -> None:
         engine = AsyncLLMEngine(fake)
         engine.start()
         fake.fail_on_step = True
-        await engine.add_request("r", "hi", SamplingParams(max_tokens=5))
+        await engine.add(EngineRequest("r", "hi", SamplingParams(max_tokens=5)))
         while engine.is_healthy:
             await asyncio.sleep(0.005)
         with pytest.raises(EngineDeadError, match="boom in step"):

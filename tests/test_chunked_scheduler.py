@@ -98,7 +98,7 @@ def test_beam_groups_decode_together_in_chunked_steps() -> None:
     group = engine.add("beam", 9, max_tokens=4, n=2, use_beam_search=True)
     engine.add("other", 9, max_tokens=4)
     engine.run()
-    assert [len(seq.output_token_ids) for seq in group.seqs] == [4]  # ScriptedTokens: no forks
+    assert [len(seq.output_token_ids) for seq in group.seqs] == [4]  # scripted beams: no forks
     decode_steps = [out for out in engine.history if group in out.scheduled_seq_groups]
     assert all(out.num_batched_tokens <= 5 for out in decode_steps)
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from requirements_here import require
+from test_stop_checker import check_both_halves
 
-from pagedllm.core.stop_checker import check_stop
 from pagedllm.engine.detokenizer import detokenize_incrementally
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
@@ -185,7 +185,7 @@ def test_stop_string_across_tokens_with_real_tokenizer(smollm_tokenizer) -> None
     for token_id in tok.encode(" Hello 世界! and more"):
         seq.append_token(token_id, 0.0)
         new_text = detokenize_incrementally(tok, seq, params)
-        check_stop(seq, params, len(new_text), tok.eos_token_id, max_model_len=2048)
+        check_both_halves(seq, params, len(new_text), tok.eos_token_id, max_model_len=2048)
         if seq.is_finished():
             break
     assert seq.status == SequenceStatus.FINISHED_STOPPED
@@ -200,7 +200,7 @@ def test_eos_text_not_in_output_even_when_specials_are_kept(smollm_tokenizer) ->
     for token_id in tok.encode(" hi") + [tok.eos_token_id]:
         seq.append_token(token_id, 0.0)
         new_text = detokenize_incrementally(tok, seq, params)
-        check_stop(seq, params, len(new_text), tok.eos_token_id, max_model_len=2048)
+        check_both_halves(seq, params, len(new_text), tok.eos_token_id, max_model_len=2048)
     assert seq.status == SequenceStatus.FINISHED_STOPPED
     assert seq.output_text == " hi"
     assert seq.output_token_ids[-1] == tok.eos_token_id

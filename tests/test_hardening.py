@@ -25,7 +25,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_server import NO_EOS, ServerThread, assert_error, engine_args, free_port, model_dir  # noqa: F401
 
-import pagedllm.engine.llm_engine as llm_engine_module
+import pagedllm.core.scheduler as scheduler_module
+import pagedllm.engine.output_processor as output_processor_module
+import pagedllm.engine.step_executor as step_executor_module
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.http_limits import server_config
@@ -104,13 +106,15 @@ def test_sampling_failure_fails_only_its_row(llm, reference):
 
 
 @pytest.mark.parametrize(
-    "target, stage",
-    [("detokenize_incrementally", "detokenizing"), ("check_stop", "checking stop conditions"),
-     ("SamplingRow", "preparing its step")],
+    "module, target, stage",
+    [(output_processor_module, "detokenize_incrementally", "detokenizing"),
+     (output_processor_module, "check_stop_text", "checking stop conditions"),
+     (scheduler_module, "check_stop", "checking stop conditions"),
+     (step_executor_module, "SamplingRow", "preparing its step")],
 )
-def test_failure_in_each_stage_fails_only_its_request(llm, reference, monkeypatch, target, stage):
+def test_failure_in_each_stage_fails_only_its_request(llm, reference, monkeypatch, module, target, stage):
     """A failure on the 3rd token of a request with 2 forked samples: all its blocks come back."""
-    original = getattr(llm_engine_module, target)
+    original = getattr(module, target)
     calls = {"poison": 0}
 
     def failing(*args, **kwargs):
@@ -122,7 +126,7 @@ def test_failure_in_each_stage_fails_only_its_request(llm, reference, monkeypatc
                 raise KeyError("simulated bug")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(llm_engine_module, target, failing)
+    monkeypatch.setattr(module, target, failing)
     poison = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     finals = run_engine(llm, [("poison", POISON_PROMPT, poison), ("good", GOOD_PROMPT, GREEDY)])
     assert_failed_alone(finals, reference, stage)
@@ -262,7 +266,7 @@ def test_hostile_sampling_params_raise_before_scheduling_or_complete(llm, refere
 def test_stop_holdback_and_stop_check_look_only_at_the_tail():
     """The issue's 10,000 x 400-char stop list made each streamed chunk cost O(stops x len^2): /health
     stalled. Capped and tail-only, the largest allowed list on a long text costs milliseconds."""
-    from pagedllm.core.stop_checker import check_stop
+    from pagedllm.core.stop_checker import check_stop_text
     from pagedllm.sequence import Sequence
 
     stops = [f"{i:03d}" + "ab" * ((MAX_STOP_STRING_CHARS - 3) // 2) for i in range(MAX_STOP_STRINGS)]
@@ -277,7 +281,7 @@ def test_stop_holdback_and_stop_check_look_only_at_the_tail():
     seq.output_text = text
     start = time.perf_counter()
     for _ in range(10):
-        check_stop(seq, params, 2, None, 10**9)
+        check_stop_text(seq, params, 2, seq.get_output_len(), stopped_by_token=False)
     check_seconds = (time.perf_counter() - start) / 10
     assert not seq.is_finished()
     # The old holdback took ~0.5 s for this on this machine; a generous bound against noise.
@@ -326,7 +330,7 @@ def test_a_request_failing_in_the_engine_gets_500_alone(server, http, monkeypatc
     """Beam scoring raising (the original OverflowError) answers that request 500; a stream running
     next to it completes, the engine stays healthy, its blocks come back."""
     searcher = server.engine.beam_searcher
-    original = searcher.step
+    original = searcher.select
 
     def overflowing(group, beams, logprobs):
         raise OverflowError(34, "Numerical result out of range")
@@ -338,7 +342,7 @@ def test_a_request_failing_in_the_engine_gets_500_alone(server, http, monkeypatc
         result["text"] = http.post("/v1/completions", json=stream_body).text
 
     reference = http.post("/v1/completions", json={**stream_body, "stream": False}).json()["choices"][0]["text"]
-    monkeypatch.setattr(searcher, "step", overflowing)
+    monkeypatch.setattr(searcher, "select", overflowing)
     streamer = threading.Thread(target=stream)
     streamer.start()
     response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "use_beam_search": True,
@@ -348,7 +352,7 @@ def test_a_request_failing_in_the_engine_gets_500_alone(server, http, monkeypatc
     assert error["code"] == "request_failed" and "Overflow" not in error["message"]
     chunks = [json.loads(line[6:]) for line in result["text"].splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference
-    monkeypatch.setattr(searcher, "step", original)
+    monkeypatch.setattr(searcher, "select", original)
     assert http.get("/health").status_code == 200
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     wait_for(lambda: server.engine.scheduler.block_manager.all_free())

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine, format_bytes, kv_dtype_label
+from pagedllm.engine.kv_pool_info import format_bytes, kv_dtype_label
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
 BLOCK_SIZE = 16

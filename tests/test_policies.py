@@ -173,7 +173,7 @@ class FakeEngine:
     def step(self) -> None:
         result = self.core.step().result
         assert not result.failed, result.failed
-        for group in result.groups_with_tokens:
+        for group in (request.group for request in result.requests):
             if group.is_finished():
                 self.finished[group.request_id] = group
         self.bm.check_invariants()

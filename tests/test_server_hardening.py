@@ -378,16 +378,17 @@ def test_the_library_refuses_an_out_of_range_priority(server):
 
 
 def test_prompt_cache_key_reaches_the_engine_front(server, http, monkeypatch):
-    """Chat and responses hand prompt_cache_key to add_request (where replicas route by it; one engine ignores it)."""
+    """Chat and responses hand prompt_cache_key to the engine front's add (where replicas route by it; one
+    engine ignores it)."""
     async_engine = server.app.state.async_engine
-    original = async_engine.add_request
+    original = async_engine.add
     seen: list[str | None] = []
 
-    async def spy(*args, prompt_cache_key=None, **kwargs):
-        seen.append(prompt_cache_key)
-        return await original(*args, prompt_cache_key=prompt_cache_key, **kwargs)
+    async def spy(request):
+        seen.append(request.cache_key)
+        return await original(request)
 
-    monkeypatch.setattr(async_engine, "add_request", spy)
+    monkeypatch.setattr(async_engine, "add", spy)
     assert http.post("/v1/chat/completions", json={**CHAT, "prompt_cache_key": "conversation-7"}).status_code == 200
     response = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2,
                                                 "prompt_cache_key": "conversation-8"})

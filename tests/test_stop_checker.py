@@ -1,16 +1,29 @@
-"""Stop checker: EOS, stop tokens, stop strings (spanning tokens, truncation), min/max tokens, model length."""
+"""Stop checker: EOS, stop tokens, stop strings (spanning tokens, truncation), min/max tokens, model length.
+
+The two halves run where the engine runs them, one token at a time: ``check_stop`` (the scheduler's
+update, no text) and then ``check_stop_text`` (the output processor, after detokenizing)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.stop_checker import check_stop
+from pagedllm.core.stop_checker import check_stop, check_stop_text
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
 
 EOS = 2
 MAX_MODEL_LEN = 1000
+
+
+def check_both_halves(
+    seq: Sequence, params: SamplingParams, new_text_len: int, eos_token_id: int | None, max_model_len: int | None
+) -> None:
+    """The token just appended (its text, ``new_text_len`` characters, already in ``seq.output_text``)
+    checked as the engine checks it: the token half in the scheduler, then the text half."""
+    check_stop(seq, params, eos_token_id, max_model_len)
+    stopped_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
+    check_stop_text(seq, params, new_text_len, seq.get_output_len(), stopped_by_token)
 
 
 def feed(
@@ -26,7 +39,7 @@ def feed(
     for taken, (token_id, text) in enumerate(steps, start=1):
         seq.append_token(token_id, 0.0)
         seq.output_text += text
-        check_stop(seq, params, len(text), eos_token_id, max_model_len)
+        check_both_halves(seq, params, len(text), eos_token_id, max_model_len)
         if seq.is_finished():
             return seq, taken
     return seq, len(steps)
@@ -126,7 +139,7 @@ def test_stop_string_not_searched_in_old_text_again() -> None:
     seq = Sequence(0, [1], block_size=16)
     seq.append_token(5, 0.0)
     seq.output_text = "zz"  # e.g. set by a caller without a matching new_text_len
-    check_stop(seq, params, 0, EOS, MAX_MODEL_LEN)
+    check_both_halves(seq, params, 0, EOS, MAX_MODEL_LEN)
     assert seq.status == SequenceStatus.WAITING
 
 

@@ -4,8 +4,8 @@ from pagedllm.core.allocator import BlockAllocator, NoFreeBlocksError, hash_bloc
 from pagedllm.core.block import CPU, GPU, BlockTable, PhysicalBlock
 from pagedllm.core.block_manager import AllocationPlan, AllocStatus, BlockSpaceManager
 from pagedllm.core.interface import BlockManager
-from pagedllm.core.scheduler import Scheduler, SchedulerOutputs, StepResult
-from pagedllm.core.token_sink import ScriptedTokens, TokenSink
+from pagedllm.core.scheduler import Scheduler, SchedulerOutputs
+from pagedllm.core.step_output import ModelOutput, StepOutputs
 
 __all__ = [
     "CPU",
@@ -16,12 +16,11 @@ __all__ = [
     "BlockManager",
     "BlockSpaceManager",
     "BlockTable",
+    "ModelOutput",
     "NoFreeBlocksError",
     "PhysicalBlock",
     "Scheduler",
     "SchedulerOutputs",
-    "ScriptedTokens",
-    "StepResult",
-    "TokenSink",
+    "StepOutputs",
     "hash_block_tokens",
 ]

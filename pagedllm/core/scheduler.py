@@ -30,10 +30,11 @@ equal priorities (the default, 0) that is first come first served.
 A group that can never run (too long for the model, the budget or the whole pool) is finished
 with an error message instead of blocking the queue.
 
-After the forward pass, ``postprocess`` does the bookkeeping for every caller (the engine, the
+After the forward pass, ``update`` does the bookkeeping for every caller (the engine, the
 simulator, the tests' fake engines): advance computed tokens, offer computed blocks to the
 prefix cache, fork parallel samples when a prompt's last chunk is done, append the sampled
-tokens (through a TokenSink), free finished sequences.
+tokens and check their stop tokens and lengths, carry out the beam searcher's decisions, free
+finished sequences; it returns per request the tokens each sequence got (core/step_output.py).
 
 A pooling request (an embedding) is a prompt and nothing more: it is admitted, chunked and preempted
 as any prompt, samples no row, never speculates, and finishes (its blocks freed) in the step that
@@ -49,11 +50,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.beam_step import BeamChoice, BeamSearchState, BeamStep
 from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.core.interface import AllocationPlanLike, BlockManager
 from pagedllm.core.policies import ContiguousBlockManager
 from pagedllm.core.speculator import Speculator
-from pagedllm.core.token_sink import TokenSink
+from pagedllm.core.step_output import ModelOutput, NewTokens, RequestFailure, RequestStepOutput, StepOutputs
+from pagedllm.core.stop_checker import check_stop
 from pagedllm.core.waste import WasteTracker
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -91,14 +94,6 @@ class SchedulerOutputs:
         )
 
 
-@dataclass
-class StepResult:
-    """What ``postprocess`` did: groups that got tokens, and groups whose processing raised."""
-
-    groups_with_tokens: list[SequenceGroup] = field(default_factory=list)
-    failed: list[tuple[SequenceGroup, BaseException]] = field(default_factory=list)
-
-
 def _arrival(group: SequenceGroup) -> tuple[int, float]:
     """The queue order: priority first (lower value first), then arrival."""
     return group.priority, group.metrics.arrival_time
@@ -123,8 +118,24 @@ def num_samples(group: SequenceGroup, seq: Sequence, num_tokens: int) -> int:
     return 1
 
 
+def sampled_rows(group: SequenceGroup, num_scheduled_tokens: dict[int, int]) -> list[tuple[Sequence, int, int]]:
+    """The group's running sequences that compute tokens this step, in batch order, each with its
+    tokens and its sampler rows: (sequence, num_tokens, num_rows). The executor builds the batch in
+    this order and ``update`` reads the rows back in it."""
+    plan = []
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        num_tokens = num_scheduled_tokens.get(seq.seq_id, 0)
+        if num_tokens:
+            plan.append((seq, num_tokens, num_samples(group, seq, num_tokens)))
+    return plan
+
+
 class Scheduler:
-    """Owns the waiting / running / swapped queues and the block manager."""
+    """Owns the waiting / running / swapped queues and the block manager.
+
+    ``eos_token_id`` and ``max_seq_len`` (the most tokens a sequence may hold: the model's context,
+    or less when the pool holds less) are the stops ``update`` checks besides each request's own;
+    None leaves them out (runs without a tokenizer or a model)."""
 
     def __init__(
         self,
@@ -132,9 +143,13 @@ class Scheduler:
         cache_config: CacheConfig,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
+        eos_token_id: int | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        self.eos_token_id = eos_token_id
+        self.max_seq_len = max_seq_len
         self.block_manager: BlockManager
         if scheduler_config.kv_allocation == "paged":
             self.block_manager = BlockSpaceManager(
@@ -168,6 +183,8 @@ class Scheduler:
         self.num_oversized_recomputes = 0
         self.num_prompt_tokens = 0  # prompt tokens computed (prefix-cache hits excluded)
         self.num_generation_tokens = 0  # tokens sampled
+        # What update was doing for a request when its processing raised, for the error message.
+        self._stage = ""
 
     # ----------------------------------------------------------------------------------- queues
 
@@ -175,6 +192,10 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        params = seq_group.sampling_params
+        if params.use_beam_search and seq_group.beam_state is None:
+            seq_group.beam_state = BeamSearchState.for_request(
+                params, len(seq_group.prompt_token_ids), self.max_seq_len)
         self._enqueue_waiting(seq_group)
 
     def _enqueue_waiting(self, seq_group: SequenceGroup) -> None:
@@ -567,51 +588,52 @@ class Scheduler:
             f"need more than the whole pool of {bm.num_gpu_blocks} blocks of {bm.block_size} tokens"
         )
 
-    # ------------------------------------------------------------------------------ postprocess
+    # ----------------------------------------------------------------------------------- update
 
-    def postprocess(self, outputs: SchedulerOutputs, sink: TokenSink) -> StepResult:
+    def update(self, outputs: SchedulerOutputs, model_output: ModelOutput) -> StepOutputs:
         """The bookkeeping after a forward pass of ``outputs`` (every caller runs this one).
 
         Per scheduled group: advance each sequence's computed tokens by what it computed, offer
         newly full blocks to the prefix cache, and for the sequences that sampled (their whole
-        prompt is now computed), fork the extra samples of a prompt's first token, hand each
-        sampler row to ``sink`` (beam-search groups all at once), and free what finished.
+        prompt is now computed) append the sampled tokens and check their stops (core/stop_checker.py:
+        stop tokens, lengths), forking the extra samples of a prompt's first token, or carry out a
+        beam-search request's ``BeamStep``; free what finished.
 
-        Sampler rows are numbered in the order of ``outputs.scheduled_seq_groups`` and of each
-        group's running sequences, ``num_samples`` rows per sequence: the order the batch was
-        built in. An exception while processing one group is recorded in the result and the
-        other groups carry on; the caller finishes the failed group.
+        Returns per request the tokens each sequence got (plain data: nothing is called back). An
+        exception while updating one group is recorded in the result and the other groups carry on;
+        so are the requests the executor failed alone (``model_output.failed``), whose rows are skipped.
+        The caller finishes the failed groups.
         """
-        result = StepResult()
+        result = StepOutputs(failed=list(model_output.failed.values()))
         row = 0
         for group in outputs.scheduled_seq_groups:
-            running = group.get_seqs(SequenceStatus.RUNNING)
-            tokens = [outputs.num_scheduled_tokens.get(seq.seq_id, 0) for seq in running]
-            rows = [num_samples(group, seq, n) if n else 0 for seq, n in zip(running, tokens)]
+            plan = sampled_rows(group, outputs.num_scheduled_tokens)
             first_row = row
-            row += sum(rows)  # counted before anything can fail, so later groups keep their rows
+            row += sum(num_rows for _, _, num_rows in plan)  # counted before anything can fail
+            if group.request_id in model_output.failed:
+                continue
+            self._stage = "processing its output"
             try:
-                if self._postprocess_group(group, running, tokens, rows, first_row, sink):
-                    result.groups_with_tokens.append(group)
+                request = self._update_group(group, plan, first_row, model_output)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                result.failed.append((group, exc))
+                result.failed.append(RequestFailure(group, self._stage, exc))
+                continue
+            if request is not None:
+                result.requests.append(request)
         self.free_finished_seq_groups()
         return result
 
-    def _postprocess_group(
-        self, group: SequenceGroup, running: list[Sequence], tokens: list[int], rows: list[int], row: int,
-        sink: TokenSink,
-    ) -> bool:
+    def _update_group(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int, int]], row: int, model_output: ModelOutput
+    ) -> RequestStepOutput | None:
+        """The group's step; None when it got no token and did not finish (a prompt chunk mid-prompt)."""
+        new_tokens: list[NewTokens] = []
         # (sequence, its rows, its first row): rows follow the order of the group's sequences.
         sampled: list[tuple[Sequence, int, int]] = []
-        verified = False
-        for seq, num_tokens, num_rows in zip(running, tokens, rows):
-            if not num_tokens:
-                continue
+        for seq, num_tokens, num_rows in plan:
             seq_row, row = row, row + num_rows
             if seq.spec_token_ids:
-                self._verify_drafts(group, seq, seq_row, sink)
-                verified = True
+                new_tokens.append(self._verify_drafts(group, seq, seq_row, model_output))
                 continue
             if not seq.output_token_ids:
                 self.num_prompt_tokens += num_tokens
@@ -620,44 +642,121 @@ class Scheduler:
             if num_rows:
                 sampled.append((seq, num_rows, seq_row))
         if group.is_pooling:
-            return self._finish_pooled(group, running, tokens)
-        if not sampled:
-            return verified  # otherwise a prompt chunk that did not reach the end of the prompt
-        if group.sampling_params.use_beam_search:
+            return RequestStepOutput(group) if self._finish_pooled(group, plan) else None
+        if sampled and group.sampling_params.use_beam_search:
+            self._check_rows([first for _, _, first in sampled], model_output)
+            self._stage = "processing its output"
             beams = [seq for seq, _, _ in sampled]
-            self.num_generation_tokens += sink.step_beams(group, beams, [first for _, _, first in sampled])
-            return True
-        for seq, num_rows, seq_row in sampled:
-            targets = [seq]
-            for _ in range(num_rows - 1):
-                child = seq.fork(self.next_seq_id())
-                self.fork_seq(seq, child)  # shares every block; copy-on-write at the first divergent write
-                group.seqs.append(child)  # the group owns it at once: a failure below frees it too
-                targets.append(child)
-            for offset, target in enumerate(targets):
-                sink.append_token(group, target, seq_row + offset)
-                self.num_generation_tokens += 1
-                if target.is_finished():
-                    self.block_manager.free(target)
-        return True
+            new_tokens = self._apply_beam_step(group, beams, model_output.beam_steps[group.request_id])
+            self.num_generation_tokens += len(beams)
+        else:
+            for seq, num_rows, seq_row in sampled:
+                targets = [seq]
+                for _ in range(num_rows - 1):
+                    child = seq.fork(self.next_seq_id())
+                    self.fork_seq(seq, child)  # shares every block; copy-on-write at the first divergent write
+                    group.seqs.append(child)  # the group owns it at once: a failure below frees it too
+                    targets.append(child)
+                for offset, target in enumerate(targets):
+                    new = NewTokens(target, [], [], target.cumulative_logprob)
+                    self._append_row(group, target, seq_row + offset, model_output, new)
+                    new_tokens.append(new)
+                    if target.is_finished():
+                        self.block_manager.free(target)
+        if not new_tokens and not group.is_finished():
+            return None
+        return RequestStepOutput(group, new_tokens)
 
-    def _finish_pooled(self, group: SequenceGroup, running: list[Sequence], tokens: list[int]) -> bool:
+    def _check_rows(self, rows: Iterable[int], model_output: ModelOutput) -> None:
+        """Raise a row's sampling failure (its request fails at "sampling")."""
+        self._stage = "sampling"
+        for row in rows:
+            if row in model_output.failed_rows:
+                raise model_output.failed_rows[row]
+
+    def _append_row(
+        self, group: SequenceGroup, seq: Sequence, row: int, model_output: ModelOutput, new: NewTokens
+    ) -> None:
+        """Append sampler row ``row``'s token to ``seq`` (and to ``new``) and check its stop."""
+        self._check_rows((row,), model_output)
+        self._stage = "processing its output"
+        token_id, logprob = model_output.token_ids[row], model_output.logprobs[row]
+        seq.append_token(token_id, logprob, model_output.top_logprobs[row])
+        new.token_ids.append(token_id)
+        new.logprobs.append(logprob)
+        self.num_generation_tokens += 1
+        self._stage = "checking stop conditions"
+        check_stop(seq, group.sampling_params, self.eos_token_id, self.max_seq_len)
+
+    def _apply_beam_step(self, group: SequenceGroup, beams: list[Sequence], step: BeamStep) -> list[NewTokens]:
+        """Carry out the searcher's decision: the surviving beams fork from their parents (sharing every
+        block; copy-on-write at the first divergent write), a beam without a survivor frees its
+        references, and the chosen finished candidates become hypotheses (they hold no blocks: their
+        K/V are never read again). Afterwards ``group.seqs`` holds the new beams, then the kept
+        hypotheses; when the search is over only the hypotheses, all finished."""
+        params = group.sampling_params
+        # Hypotheses first, while every parent still has its pre-step state: a fork copies it.
+        kept: list[tuple[float, Sequence]] = []
+        chosen: list[tuple[Sequence, BeamChoice, bool]] = []
+        for score, entry in step.hypotheses:
+            if isinstance(entry, BeamChoice):
+                hypothesis = beams[entry.parent].fork(self.next_seq_id())
+                chosen.append((hypothesis, entry, True))
+                kept.append((score, hypothesis))
+            else:
+                kept.append((score, entry))
+        survivors: list[tuple[Sequence, BeamChoice]] = []
+        continued: set[int] = set()
+        for choice in step.next_beams:
+            parent = beams[choice.parent]
+            if choice.parent not in continued:
+                continued.add(choice.parent)  # the first survivor continues the parent itself
+                survivors.append((parent, choice))
+            else:
+                child = parent.fork(self.next_seq_id())
+                self.fork_seq(parent, child)
+                group.seqs.append(child)  # the group owns it at once: a failure below frees it too
+                survivors.append((child, choice))
+        for index, parent in enumerate(beams):
+            if index not in continued:
+                # A dead beam only drops its references: blocks shared with survivors stay.
+                parent.status = SequenceStatus.FINISHED_ABORTED
+                self.free_seq(parent)
+        chosen = [(seq, choice, False) for seq, choice in survivors] + chosen
+        new_tokens = []
+        for seq, choice, is_hypothesis in chosen:
+            new_tokens.append(NewTokens(seq, [choice.token_id], [choice.logprob], seq.cumulative_logprob))
+            seq.append_token(choice.token_id, choice.logprob, choice.top_logprobs)
+            # The search ranks by its own (processed, float32) sum; report that one.
+            seq.cumulative_logprob = choice.score
+            # A stop token sets the status as for any other sequence (a running beam never takes one).
+            check_stop(seq, params, self.eos_token_id, self.max_seq_len)
+            if is_hypothesis and not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED  # a hypothesis is always finished
+        state = group.beam_state
+        state.finished = kept
+        state.running_scores = {seq.seq_id: choice.score for seq, choice in survivors}
+        state.improvement_possible = step.improvement_possible
+        group.seqs = [seq for seq, _ in survivors] + [seq for _, seq in kept]
+        return new_tokens
+
+    def _finish_pooled(self, group: SequenceGroup, plan: list[tuple[Sequence, int, int]]) -> bool:
         """A pooling request ends with its prompt: its blocks go back at once (full ones stay in the
         prefix cache, computed, for later requests). Returns whether it finished this step."""
         finished = False
-        for seq, num_tokens in zip(running, tokens):
-            if num_tokens and seq.num_computed_tokens >= seq.get_len():
+        for seq, _, _ in plan:
+            if seq.num_computed_tokens >= seq.get_len():
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 self.block_manager.free(seq)
                 finished = True
         return finished
 
-    def _verify_drafts(self, group: SequenceGroup, seq: Sequence, row: int, sink: TokenSink) -> None:
+    def _verify_drafts(self, group: SequenceGroup, seq: Sequence, row: int, model_output: ModelOutput) -> NewTokens:
         """Keep the drafts the target agrees with, and the target's own token after them.
 
         Sampler row j sampled the target's token after the sequence's tokens and drafts[:j]. Going
-        left to right, each row's token is appended (so stop conditions, logprobs and text are those
-        of ordinary decoding); while it equals draft j, that draft's K/V computed this step is valid
+        left to right, each row's token is appended (so stop conditions and logprobs are those of
+        ordinary decoding); while it equals draft j, that draft's K/V computed this step is valid
         and the next row follows it. With a draft given as one token, accepting it when the row's own
         sample equals it is exactly rejection sampling: it is accepted with the target's probability
         of that token, and a rejection leaves a sample of the target's distribution without it.
@@ -667,15 +766,14 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.num_computed_tokens += 1  # the sequence's last token
         accepted = 0
+        new = NewTokens(seq, [], [], seq.cumulative_logprob)
         try:
             for j in range(len(drafts) + 1):
-                sink.append_token(group, seq, row + j)
-                self.num_generation_tokens += 1
+                self._append_row(group, seq, row + j, model_output, new)
                 if seq.is_finished() or j == len(drafts) or seq.output_token_ids[-1] != drafts[j]:
                     break
                 accepted += 1
                 seq.num_computed_tokens += 1  # draft j is now the sequence's token, its K/V in place
-            sink.drafts_verified(group, row, j + 1)
         finally:
             assert self.speculator is not None
             self.speculator.record(seq, len(drafts), accepted)
@@ -684,6 +782,7 @@ class Scheduler:
             else:
                 self.block_manager.release_lookahead(seq)
                 self.block_manager.mark_computed(seq)
+        return new
 
     # ------------------------------------------------------------------------------- statistics
 

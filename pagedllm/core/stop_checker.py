@@ -1,14 +1,19 @@
-"""Decide, after each appended token, whether a sequence is done (vLLM's stop semantics).
+"""Decide whether a sequence is done (vLLM's stop semantics), in two halves.
 
-Checked in this order, the first match wins:
+``check_stop`` (``Scheduler.update``, after each appended token; no text needed), the first match wins:
 
-- ``max_model_len``: the sequence fills the model's context -> length capped (always checked, when given);
-- before ``min_tokens`` generated tokens nothing else can stop the sequence;
-- EOS (unless ``ignore_eos``) -> stopped; its text is removed from the output;
-- a token of ``stop_token_ids`` -> stopped, ``stop_reason`` = the id; its text is removed;
-- a stop string in the text -> stopped, ``stop_reason`` = the string; the text is cut before it
-  (or right after it with ``include_stop_str_in_output``);
+- before ``min_tokens`` generated tokens no stop token can stop the sequence;
+- EOS (unless ``ignore_eos``) -> stopped;
+- a token of ``stop_token_ids`` -> stopped, ``stop_reason`` = the id;
+- ``max_model_len``: the sequence fills the model's context -> length capped;
 - ``max_tokens`` generated -> length capped.
+
+``check_stop_text`` (the engine's output processor, after the detokenizer appended the token's text):
+
+- a sequence stopped by a stop token loses that token's text (kept with ``include_stop_str_in_output``);
+- otherwise, from ``min_tokens`` generated tokens on, a stop string in the text -> stopped,
+  ``stop_reason`` = the string, also when the same token capped the length; the text is cut before
+  it (or right after it with ``include_stop_str_in_output``).
 
 Stop tokens stay in ``output_token_ids``; only the text loses them (with the default
 ``skip_special_tokens`` a special EOS has no text anyway).
@@ -20,21 +25,16 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
 
 
-def check_stop(
-    seq: Sequence, params: SamplingParams, new_text_len: int, eos_token_id: int | None, max_model_len: int | None
-) -> None:
-    """Set ``seq.status`` (and ``seq.stop_reason``) if the token just appended ends the sequence.
-
-    ``new_text_len``: characters the detokenizer appended to ``seq.output_text`` for that token.
-    """
+def check_stop(seq: Sequence, params: SamplingParams, eos_token_id: int | None, max_model_len: int | None) -> None:
+    """Set ``seq.status`` (and ``seq.stop_reason``) if the token just appended ends the sequence."""
     output_len = seq.get_output_len()
     if output_len >= params.min_tokens:
-        if _check_stop_tokens(seq, params, new_text_len, eos_token_id):
-            return
-        stop_str = _find_stop_string(seq, params, new_text_len)
-        if stop_str is not None:
+        last_token_id = seq.get_last_token_id()
+        is_eos = eos_token_id is not None and not params.ignore_eos and last_token_id == eos_token_id
+        if is_eos or last_token_id in (params.stop_token_ids or ()):
             seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop_str
+            if not is_eos:
+                seq.stop_reason = last_token_id
             return
     if max_model_len is not None and seq.get_len() >= max_model_len:
         seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
@@ -43,17 +43,23 @@ def check_stop(
         seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
 
-def _check_stop_tokens(seq: Sequence, params: SamplingParams, new_text_len: int, eos_token_id: int | None) -> bool:
-    last_token_id = seq.get_last_token_id()
-    is_eos = eos_token_id is not None and not params.ignore_eos and last_token_id == eos_token_id
-    is_stop_token = last_token_id in (params.stop_token_ids or ())
-    if not is_eos and not is_stop_token:
+def check_stop_text(
+    seq: Sequence, params: SamplingParams, new_text_len: int, output_len: int, stopped_by_token: bool
+) -> bool:
+    """The text half, for the token at output position ``output_len - 1`` whose text (``new_text_len``
+    characters) the detokenizer just appended to ``seq.output_text``. ``stopped_by_token``: that
+    token ended the sequence in ``check_stop``. Returns whether a stop string ends the sequence there."""
+    if stopped_by_token:
+        if new_text_len and not params.include_stop_str_in_output:
+            seq.output_text = seq.output_text[:-new_text_len]
         return False
-    if new_text_len and not params.include_stop_str_in_output:
-        seq.output_text = seq.output_text[:-new_text_len]
+    if output_len < params.min_tokens:
+        return False
+    stop_str = _find_stop_string(seq, params, new_text_len)
+    if stop_str is None:
+        return False
     seq.status = SequenceStatus.FINISHED_STOPPED
-    if not is_eos:
-        seq.stop_reason = last_token_id
+    seq.stop_reason = stop_str
     return True
 
 

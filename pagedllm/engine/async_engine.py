@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.engine.engine_client import EngineClient
-from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.request import EngineRequest
 from pagedllm.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -231,31 +230,22 @@ class AsyncLLMEngine(EngineClient):
         if self._stopping:
             raise EngineDeadError("The server is shutting down.")
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        prompt_cache_key: str | None = None,
-    ) -> None:
-        """Queue one request; raises ValueError (nothing queued) on bad input. Use generate() to read it.
+    async def add(self, request: EngineRequest) -> None:
+        """Queue one request; raises ValueError (nothing queued) on bad input. Read it with stream_outputs().
 
-        ``params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then yields
-        one PoolingRequestOutput, when the prompt is done). ``prompt_cache_key`` routes requests
-        among data-parallel replicas (ReplicatedEngine); one engine caches prefixes by their content
-        alone, so here it changes nothing."""
+        ``request.params``: SamplingParams, or PoolingParams on a pooling-runner engine (its stream then
+        yields one PoolingRequestOutput, when the prompt is done). One engine caches prefixes by their
+        content alone: ``request.cache_key`` changes nothing here."""
         self.check_alive()
+        request = request.with_arrival_time()
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        stream = _RequestStream(request_id, arrival_time)
+        stream = _RequestStream(request_id, request.arrival_time)
         # Registered before the engine sees the request, so no output can arrive without a stream.
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine_thread(self.engine.add_request, request_id, prompt, params, arrival_time,
-                                            priority)
+            await self.run_in_engine_thread(self.engine.add, request)
         except asyncio.CancelledError:
             # The add may still run on the engine thread: abort after it (the thread is FIFO).
             self.abort(request_id)
@@ -268,13 +258,13 @@ class AsyncLLMEngine(EngineClient):
         self._work.set()
 
     async def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the outputs of a request added with add_request until it finishes.
+        """Yield the outputs of a request added with ``add`` until it finishes.
 
         Closing or cancelling the generator before the end aborts the request.
         """
         stream = self._streams.get(request_id)
         if stream is None:
-            if self.dead_error is not None:  # the engine failed between add_request and this read
+            if self.dead_error is not None:  # the engine failed between add and this read
                 raise EngineDeadError(
                     f"The engine failed while running this request: {type(self.dead_error).__name__}: "
                     f"{self.dead_error}"

@@ -6,9 +6,11 @@ up to the point where they diverge: each step the surviving candidates fork from
 copy-on-write), and a beam without a surviving candidate frees its references. The pattern of
 sharing changes every step, which is what makes beam search the paper's best case for paging.
 
-The search itself reproduces Hugging Face transformers' ``generate(num_beams=k, do_sample=False)``
-(the vectorised ``GenerationMixin._beam_search``), so that the returned sequences and their order
-are the same:
+This module only chooses: ``BeamSearcher.select`` ranks one step's candidates and returns the
+decision as data (core/beam_step.py's ``BeamStep``); ``Scheduler.update`` forks, frees and appends.
+The search reproduces Hugging Face transformers' ``generate(num_beams=k, do_sample=False)`` (the
+vectorised ``GenerationMixin._beam_search``), so that the returned sequences and their order are
+the same:
 
 - scores: ``log_softmax`` of the logits, then the logits processors (min_tokens masks the EOS ids,
   repetition penalty on the log-probabilities as HF applies it), plus the beam's running score, in
@@ -30,19 +32,16 @@ The returned outputs are the best ``n`` hypotheses.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.stop_checker import check_stop
-from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.core.beam_step import BeamChoice, BeamSearchState, BeamStep
 from pagedllm.sampling.logprob_rank import ranked_entry, vocab_ranks
 from pagedllm.sampling.penalties import apply_presence_frequency_penalties, apply_repetition_penalty, token_counts
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.sequence import Sequence, SequenceGroup
 
 # HF's placeholder score for "no hypothesis in this slot yet".
 _NO_SCORE = -1.0e9
@@ -56,36 +55,13 @@ class _Candidate:
     score: float  # running score: summed (processed) log-probabilities, a float32 value
 
 
-@dataclass
-class BeamSearchState:
-    """Per-request search state, kept on the SequenceGroup (``group.beam_state``)."""
-
-    beam_width: int
-    max_new_tokens: int
-    # seq_id -> summed log-probability of the running beam (float32 values, as HF keeps them).
-    running_scores: dict[int, float] = field(default_factory=dict)
-    # Finished hypotheses, best first: (length-penalised score, sequence). At most beam_width.
-    finished: list[tuple[float, Sequence]] = field(default_factory=list)
-    # HF's is_early_stop_heuristic_unsatisfied: once False, the search ends.
-    improvement_possible: bool = True
-
-
 class BeamSearcher:
-    """Advances the beam-search groups of a step: ranks candidates, forks, frees, finishes."""
+    """Chooses the next beams and the finished hypotheses of a beam-search request's step. It reads
+    the group and its search state (``group.beam_state``, set when the request was queued) and
+    changes neither."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        tokenizer: Any,
-        eos_token_id: int | None,
-        max_seq_len: int,
-        new_seq_id: Callable[[], int],
-    ) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
+    def __init__(self, eos_token_id: int | None) -> None:
         self.eos_token_id = eos_token_id
-        self.max_seq_len = max_seq_len
-        self.new_seq_id = new_seq_id
 
     def eos_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that end a hypothesis: EOS (unless ignored) and the stop tokens (HF's eos list)."""
@@ -95,27 +71,15 @@ class BeamSearcher:
         ids.extend(t for t in params.stop_token_ids or () if t not in ids)
         return ids
 
-    def _state(self, group: SequenceGroup) -> BeamSearchState:
-        state = group.beam_state
-        if state is None:
-            params = group.sampling_params
-            max_new = self.max_seq_len - len(group.prompt_token_ids)
-            if params.max_tokens is not None:
-                max_new = min(max_new, params.max_tokens)
-            state = group.beam_state = BeamSearchState(beam_width=params.best_of, max_new_tokens=max(1, max_new))
-        return state
-
-    def step(self, group: SequenceGroup, beams: list[Sequence], raw_logprobs: torch.Tensor) -> int:
-        """Advance one group by one token.
+    def select(self, group: SequenceGroup, beams: list[Sequence], raw_logprobs: torch.Tensor) -> BeamStep:
+        """Rank one step's candidates of ``group``.
 
         ``beams``: the group's running sequences in the order of ``raw_logprobs``' rows (``[len(beams),
-        V]``, the model's raw log-probabilities for each beam's next token). Afterwards
-        ``group.seqs`` holds the new beams (best first) followed by the kept hypotheses (best first);
-        when the search is over it holds only the hypotheses, all finished. Returns the number of
-        tokens generated (one per beam stepped).
+        V]``, the model's raw log-probabilities for each beam's next token). The decision's choices
+        name their parent by its index in ``beams``.
         """
         params = group.sampling_params
-        state = self._state(group)
+        state: BeamSearchState = group.beam_state
         k = state.beam_width
         eos_ids = self.eos_ids(params)
         scores = self._processed_scores(params, beams, raw_logprobs, eos_ids)
@@ -138,72 +102,47 @@ class BeamSearcher:
 
         is_last = gen_len >= state.max_new_tokens
         next_beams, kept = self._select(state, candidates, penalised, eos_ids, is_last)
-        done = is_last or not next_beams or self._no_improvement(state, params, next_beams, kept, gen_len)
+        improvement_possible = state.improvement_possible
+        done = is_last or not next_beams
+        if not done:
+            improvement_possible = self._improvement_possible(state, params, next_beams, kept, gen_len)
+            done = not improvement_possible
         if done and not is_last and not kept:
             # HF's stopping rule can end the search before any hypothesis exists (a strongly negative
             # length_penalty makes every running score look hopeless): the candidates then finish
             # as at the last length, as HF's BeamSearchScorer.finalize adds the open beams.
             next_beams, kept = self._select(state, candidates, penalised, eos_ids, True)
+        survivors = [] if done else next_beams
+        new_hypotheses = [entry for _, entry in kept if isinstance(entry, _Candidate)]
+        choices = self._choices(raw_logprobs, params, survivors + new_hypotheses)
+        hypothesis_choices = iter(choices[len(survivors):])  # in the order of ``kept``
+        return BeamStep(
+            next_beams=choices[: len(survivors)],
+            hypotheses=[(score, next(hypothesis_choices) if isinstance(entry, _Candidate) else entry)
+                        for score, entry in kept],
+            improvement_possible=improvement_possible,
+        )
 
-        # Children first, while every parent still has its pre-step state: a fork copies it.
-        kept_seqs: list[tuple[float, Sequence]] = []
-        new_hypotheses: list[tuple[Sequence, _Candidate]] = []
-        for score, entry in kept:
-            if isinstance(entry, _Candidate):
-                # A finished hypothesis needs no blocks: its K/V are never read again.
-                hypothesis = beams[entry.parent].fork(self.new_seq_id())
-                new_hypotheses.append((hypothesis, entry))
-                kept_seqs.append((score, hypothesis))
-            else:
-                kept_seqs.append((score, entry))
-        survivors: list[tuple[Sequence, _Candidate]] = []
-        reused: set[int] = set()
-        if not done:
-            for cand in next_beams:
-                parent = beams[cand.parent]
-                if cand.parent not in reused:
-                    reused.add(cand.parent)  # the first survivor continues the parent itself
-                    survivors.append((parent, cand))
-                else:
-                    child = parent.fork(self.new_seq_id())
-                    self.scheduler.fork_seq(parent, child)  # shares all blocks; CoW on the next write
-                    # The group owns it at once: if the rest of this step fails, failing the group frees it.
-                    group.seqs.append(child)
-                    survivors.append((child, cand))
-        for index, parent in enumerate(beams):
-            if index not in reused:
-                # A dead beam only drops its references: blocks shared with survivors stay.
-                parent.status = SequenceStatus.FINISHED_ABORTED
-                self.scheduler.free_seq(parent)
-
-        chosen = [(seq, cand, False) for seq, cand in survivors] + [(seq, cand, True) for seq, cand in new_hypotheses]
-        token_logprobs = self._token_logprobs(raw_logprobs, [(cand.parent, cand.token_id) for _, cand, _ in chosen])
+    def _choices(
+        self, raw_logprobs: torch.Tensor, params: SamplingParams, chosen: list[_Candidate]
+    ) -> list[BeamChoice]:
+        """The chosen candidates with their raw logprobs (and top entries, when the request asks)."""
+        token_logprobs = self._token_logprobs(raw_logprobs, [(cand.parent, cand.token_id) for cand in chosen])
         top = self._top_logprobs(raw_logprobs, params)
         ranks: list[int] = []
         if top is not None and chosen:
             device = raw_logprobs.device
-            parents = torch.tensor([cand.parent for _, cand, _ in chosen], device=device)
+            parents = torch.tensor([cand.parent for cand in chosen], device=device)
             ranks = vocab_ranks(raw_logprobs.index_select(0, parents),
-                                torch.tensor([cand.token_id for _, cand, _ in chosen], device=device))
-        for index, ((seq, cand, is_hypothesis), logprob) in enumerate(zip(chosen, token_logprobs)):
+                                torch.tensor([cand.token_id for cand in chosen], device=device))
+        choices = []
+        for index, (cand, logprob) in enumerate(zip(chosen, token_logprobs)):
             entry = None
             if top is not None:
                 top_ids, top_values = zip(*top[cand.parent]) if top[cand.parent] else ((), ())
                 entry = ranked_entry(cand.token_id, logprob, ranks[index], list(top_ids), list(top_values))
-            seq.append_token(cand.token_id, logprob, entry)
-            # The search ranks by its own (processed, float32) sum; report that one.
-            seq.cumulative_logprob = cand.score
-            new_text = detokenize_incrementally(self.tokenizer, seq, params)
-            if is_hypothesis:
-                # Sets the status and strips a stop token's text, as for any other sequence.
-                check_stop(seq, params, len(new_text), self.eos_token_id, self.max_seq_len)
-                if not seq.is_finished():
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED  # a hypothesis is always finished
-
-        state.finished = kept_seqs
-        state.running_scores = {seq.seq_id: cand.score for seq, cand in survivors}
-        group.seqs = [seq for seq, _ in survivors] + [seq for _, seq in kept_seqs]
-        return len(beams)
+            choices.append(BeamChoice(cand.parent, cand.token_id, logprob, entry, cand.score))
+        return choices
 
     @staticmethod
     def _select(
@@ -221,27 +160,27 @@ class BeamSearcher:
         return next_beams, merged[:k]
 
     @staticmethod
-    def _no_improvement(
+    def _improvement_possible(
         state: BeamSearchState,
         params: SamplingParams,
         next_beams: list[_Candidate],
         kept: list[tuple[float, Any]],
         gen_len: int,
     ) -> bool:
-        """HF's stopping rule for the whole search, evaluated after this step."""
+        """HF's stopping rule for the whole search, evaluated after this step: False ends the search."""
         full = len(kept) == state.beam_width
         if params.early_stopping is True and full:
-            return True
-        if state.improvement_possible:
-            if params.early_stopping == "never" and params.length_penalty > 0.0:
-                best_length = state.max_new_tokens  # a longer beam may still score better
-            else:
-                best_length = gen_len
-            best_running = torch.tensor([next_beams[0].score], dtype=torch.float32)
-            best_possible = (best_running / (best_length**params.length_penalty)).item()
-            worst_finished = min(score for score, _ in kept) if full else _NO_SCORE
-            state.improvement_possible = best_possible > worst_finished
-        return not state.improvement_possible
+            return False
+        if not state.improvement_possible:
+            return False
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            best_length = state.max_new_tokens  # a longer beam may still score better
+        else:
+            best_length = gen_len
+        best_running = torch.tensor([next_beams[0].score], dtype=torch.float32)
+        best_possible = (best_running / (best_length**params.length_penalty)).item()
+        worst_finished = min(score for score, _ in kept) if full else _NO_SCORE
+        return best_possible > worst_finished
 
     @staticmethod
     def _processed_scores(
@@ -287,8 +226,3 @@ class BeamSearcher:
         values, ids = raw_logprobs.topk(min(params.logprobs, raw_logprobs.shape[1]), dim=-1)
         return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
-
-def ranked_outputs(group: SequenceGroup) -> list[Sequence]:
-    """The sequences a beam-search request returns: the best n hypotheses once finished,
-    the best n running beams while it runs (for streaming)."""
-    return group.get_seqs()[: group.sampling_params.n]

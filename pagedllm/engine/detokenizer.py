@@ -24,21 +24,25 @@ INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-def detokenize_incrementally(tokenizer: Any, seq: Sequence, params: SamplingParams) -> str:
-    """Decode ``seq``'s last token; append the new text to ``seq.output_text`` and return it.
+def detokenize_incrementally(tokenizer: Any, seq: Sequence, params: SamplingParams, position: int = -1) -> str:
+    """Decode ``seq``'s generated token at ``position`` (the last one by default); append the new text
+    to ``seq.output_text`` and return it.
 
-    Call once after each appended token. The first call reads the tail of the prompt as context
-    (the prompt's text is never part of ``output_text``). Returns "" while the text so far ends
-    inside a multi-byte character, and for skipped special tokens; always "" (and no work) when
-    the request asked for token ids only (``params.detokenize`` False).
+    Call once per generated token, in order (a step that appended several calls once for each). The
+    first call reads the tail of the prompt as context (the prompt's text is never part of
+    ``output_text``). Returns "" while the text so far ends inside a multi-byte character, and for
+    skipped special tokens; always "" (and no work) when the request asked for token ids only
+    (``params.detokenize`` False).
     """
     if not params.detokenize:
         return ""
     skip_special_tokens = params.skip_special_tokens
-    new_token_id = seq.get_last_token_id()
+    if position < 0:
+        position += seq.get_output_len()
+    new_token_id = seq.output_token_ids[position]
     if seq.tokens is None:  # the first call: everything before the new token is context
         seq.tokens, seq.prefix_offset, seq.read_offset = _convert_prompt_ids_to_tokens(
-            tokenizer, seq.get_token_ids()[:-1], skip_special_tokens
+            tokenizer, seq.prompt_token_ids + seq.output_token_ids[:position], skip_special_tokens
         )
     tokens = seq.tokens
     assert tokens is not None

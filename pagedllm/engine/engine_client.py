@@ -2,8 +2,8 @@
 replicas behind a router (serving/replica_frontend.py's ReplicatedEngine).
 
 The HTTP layer is written against this class alone. ``generate`` and ``encode`` are written once
-here over the two calls each front end implements its own way: ``add_request`` (queue, or route then
-queue) and ``stream_outputs``.
+here over the two calls each front end implements its own way: ``add`` (queue one ``EngineRequest``,
+or route it then queue it) and ``stream_outputs``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Collection
 from typing import Any
 
+from pagedllm.engine.request import EngineRequest
 from pagedllm.pooling_outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -47,17 +48,10 @@ class EngineClient(ABC):
     def fail_all_requests(self, message: str) -> None: ...
 
     @abstractmethod
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        prompt_cache_key: str | None = None,
-    ) -> None:
-        """Queue one request; ValueError (nothing queued) on bad input. ``prompt_cache_key`` routes
-        requests among replicas (one engine caches prefixes by their content alone)."""
+    async def add(self, request: EngineRequest) -> None:
+        """Queue one request, on this engine or on the replica routing picks (by its prompt and
+        ``cache_key``); ValueError (nothing queued) on bad input. Without an ``arrival_time`` it
+        arrives now."""
 
     @abstractmethod
     def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -81,8 +75,8 @@ class EngineClient(ABC):
         self, prompt: Any, params: SamplingParams, request_id: str, arrival_time: float | None = None,
         buffered: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """add_request + stream_outputs: validation errors raise on the first iteration."""
-        await self.add_request(request_id, prompt, params, arrival_time)
+        """add + stream_outputs: validation errors raise on the first iteration."""
+        await self.add(EngineRequest(request_id, prompt, params, arrival_time))
         if buffered:
             self.buffer_outputs([request_id])
         async for output in self.stream_outputs(request_id):
@@ -92,6 +86,6 @@ class EngineClient(ABC):
         self, prompt: Any, params: PoolingParams, request_id: str, arrival_time: float | None = None
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """A pooling request (vLLM's name): one PoolingRequestOutput, its ``outputs.data`` the embedding."""
-        await self.add_request(request_id, prompt, params, arrival_time)
+        await self.add(EngineRequest(request_id, prompt, params, arrival_time))
         async for output in self.stream_outputs(request_id):
             yield output  # type: ignore[misc]

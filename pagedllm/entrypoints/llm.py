@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs, check_setting_names
 from pagedllm.engine.inputs import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.request import EngineRequest
 from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.pooling_outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -83,7 +84,7 @@ class LLM:
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         groups = [
-            engine.make_seq_group(engine.next_request_id(), prompt, params, priority=rank)
+            engine.make_seq_group(EngineRequest(engine.next_request_id(), prompt, params, priority=rank))
             for prompt, params, rank in zip(prompt_list, params_list, priority)
         ]
         for group in groups:
@@ -140,7 +141,7 @@ class LLM:
                 f"pooling_params must be a PoolingParams or a list of one per prompt ({len(prompt_list)})."
             )
         engine = self.llm_engine
-        groups = [engine.make_seq_group(engine.next_request_id(), prompt, params)
+        groups = [engine.make_seq_group(EngineRequest(engine.next_request_id(), prompt, params))
                   for prompt, params in zip(prompt_list, params_list)]
         for group in groups:
             engine.enqueue(group)

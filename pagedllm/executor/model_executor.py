@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
-from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.sampling import SamplerOutput
 from pagedllm.step_timing import StepTimer
 from pagedllm.worker.model_runner import StepInput
 from pagedllm.worker.worker import Worker
+from pagedllm.worker.worker_config import WorkerConfig
 
 
 class ModelExecutor(Protocol):
@@ -37,25 +35,15 @@ class ModelExecutor(Protocol):
 
 
 def make_model_executor(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    device: torch.device,
-    eos_token_id: int | None,
-    max_num_batched_tokens: int,
-    seed: int,
-    num_threads: int | None,
+    config: WorkerConfig,
     tensor_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
     placement_group_strategy: str = "STRICT_PACK",
-    draft_model_config: ModelConfig | None = None,
 ) -> ModelExecutor:
-    common = (model_config, cache_config, device, eos_token_id, max_num_batched_tokens)
     if tensor_parallel_size == 1:
-        return Worker(*common, seed=seed, num_threads=num_threads, draft_model_config=draft_model_config)
-    if draft_model_config is not None:
-        raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
+        return Worker(config)
     # Same interface as Worker; rank 0 (here) broadcasts each step to ranks 1..N-1.
     return MultiprocExecutor(
-        *common, seed=seed, num_threads=num_threads, world_size=tensor_parallel_size,
-        backend=distributed_executor_backend or "mp", placement_strategy=placement_group_strategy,
+        config, world_size=tensor_parallel_size, backend=distributed_executor_backend or "mp",
+        placement_strategy=placement_group_strategy,
     )

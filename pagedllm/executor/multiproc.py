@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.config import ModelConfig
 from pagedllm.executor.messages import STOP, StepEncoder, broadcast_bytes
 from pagedllm.executor.rank import (
     HEARTBEAT_S,
@@ -57,6 +57,7 @@ from pagedllm.layers.parallel_state import (
 from pagedllm.sampling import SamplerOutput
 from pagedllm.step_timing import StepTimer
 from pagedllm.worker.model_runner import StepInput
+from pagedllm.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def _spawned_main(rank: int, world_size: int, addr: str, port: int, spec: Worker
     # Ctrl-C in a terminal reaches the whole process group: let rank 0 decide how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        run_worker(rank, world_size, addr, port, spec, rank_device(torch.device(spec.device), rank), parent_pid)
+        run_worker(rank, world_size, addr, port, spec, rank_device(spec.worker.device, rank), parent_pid)
     except BaseException:
         sys.exit(1)
 
@@ -134,18 +135,11 @@ class MultiprocExecutor:
     """Rank 0 of a tensor-parallel group; presents the single Worker's interface to the engine."""
 
     def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        device: torch.device,
-        eos_token_id: int | None,
-        max_num_batched_tokens: int,
-        seed: int = 0,
-        num_threads: int | None = None,
-        world_size: int = 2,
-        backend: str = "mp",
-        placement_strategy: str = "STRICT_PACK",
+        self, config: WorkerConfig, world_size: int = 2, backend: str = "mp", placement_strategy: str = "STRICT_PACK"
     ) -> None:
+        model_config, device, num_threads = config.model_config, config.device, config.num_threads
+        if config.draft_model_config is not None:
+            raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only.")
         if world_size < 2:
             raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {world_size}.")
         if backend not in ("mp", "ray"):
@@ -160,10 +154,7 @@ class MultiprocExecutor:
         timeout_s = collective_timeout_s()
         # Workers get the config's values only: unpickling a transformers config imports transformers.
         worker_model_config = dataclasses.replace(model_config, hf_config=plain_config(model_config.hf_config))
-        spec = WorkerSpec(
-            worker_model_config, cache_config, str(device), eos_token_id, max_num_batched_tokens, seed, num_threads,
-            timeout_s,
-        )
+        spec = WorkerSpec(dataclasses.replace(config, model_config=worker_model_config), timeout_s)
         self.world_size = world_size
         self.backend = backend
         self.processes: dict[int, Any] = {}
@@ -180,7 +171,7 @@ class MultiprocExecutor:
                     f"tensor_parallel_size={world_size} but the launcher started WORLD_SIZE={env_world} processes."
                 )
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            spec.num_threads = num_threads or max(1, (os.cpu_count() or 1) // local_world)
+            spec.worker.num_threads = num_threads or max(1, (os.cpu_count() or 1) // local_world)
             if device.type == "cuda":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             if rank != 0:
@@ -195,13 +186,13 @@ class MultiprocExecutor:
             addr, port = node_address(), _free_port()
             init_method = f"tcp://{addr}:{port}"
             # Each rank has its bundle's cores.
-            spec.num_threads = num_threads or 1
+            spec.worker.num_threads = num_threads or 1
             self.ranks = RayRanks(world_size, addr, port, spec, placement_strategy, timeout_s)
         else:
             addr, port = "127.0.0.1", _free_port()
             init_method = f"tcp://{addr}:{port}"
             # Ranks share this machine's cores.
-            spec.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
+            spec.worker.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
             ctx = mp.get_context("spawn")
             for rank in range(1, world_size):
                 proc = ctx.Process(
@@ -218,7 +209,8 @@ class MultiprocExecutor:
         try:
             self.state = init_tensor_parallel(0, world_size, init_method, device, timeout_s)
             self._store = client_store(addr, port, timeout_s)
-            self.worker = build_worker(dataclasses.replace(spec, model_config=model_config), 0, world_size, device)
+            self.worker = build_worker(dataclasses.replace(spec.worker, model_config=model_config), 0, world_size,
+                                       device)
         except Exception as exc:
             self.error = self._diagnose(exc, "start-up")
             self.shutdown()

@@ -7,6 +7,7 @@ leaves when the engine's process is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -18,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.executor.messages import STOP, StepDecoder, broadcast_bytes
 from pagedllm.layers.parallel_state import TensorParallelState, destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,10 @@ _STORE_PREFIX = "pagedllm/"
 
 @dataclass(slots=True)
 class WorkerSpec:
-    """Everything a rank needs to build its Worker (picklable, sent once at start-up)."""
+    """Everything a rank needs to build its Worker (picklable, sent once at start-up): the worker's
+    config (the model config's values only, see ``plain_config``) and the collectives' timeout."""
 
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    device: str
-    eos_token_id: int | None
-    max_num_batched_tokens: int
-    seed: int
-    num_threads: int | None
+    worker: WorkerConfig
     timeout_s: float
 
 
@@ -87,20 +83,11 @@ def client_store(addr: str, port: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(_STORE_PREFIX, store)
 
 
-def build_worker(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> Any:
+def build_worker(config: WorkerConfig, rank: int, world_size: int, device: torch.device) -> Any:
+    """This rank's Worker, on ``device`` (its own GPU, or the CPU)."""
     from pagedllm.worker.worker import Worker
 
-    return Worker(
-        spec.model_config,
-        spec.cache_config,
-        device,
-        spec.eos_token_id,
-        spec.max_num_batched_tokens,
-        seed=spec.seed,
-        num_threads=spec.num_threads,
-        rank=rank,
-        world_size=world_size,
-    )
+    return Worker(dataclasses.replace(config, device=device), rank=rank, world_size=world_size)
 
 
 def serve_steps(worker: Any, state: TensorParallelState) -> None:
@@ -140,7 +127,7 @@ def run_worker(
         threading.Thread(
             target=_heartbeat, args=(store, rank, parent_pid, stop), daemon=True, name="pagedllm-heartbeat"
         ).start()
-        worker = build_worker(spec, rank, world_size, device)
+        worker = build_worker(spec.worker, rank, world_size, device)
         serve_steps(worker, state)
     except BaseException as exc:
         logger.error("tensor-parallel rank %d failed: %s", rank, exc)

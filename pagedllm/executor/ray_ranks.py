@@ -82,7 +82,7 @@ class TensorParallelRank:
     """The actor's body: one rank's Worker, serving steps until rank 0 sends STOP."""
 
     def serve(self, rank: int, world_size: int, addr: str, port: int, spec: WorkerSpec) -> None:
-        device = torch.device(spec.device)
+        device = spec.worker.device
         if device.type == "cuda":
             device = torch.device("cuda", 0)  # Ray makes this actor's one GPU the only visible one
         # No parent pid to watch: Ray ends this actor when its owner (the engine's process) dies.
@@ -103,8 +103,8 @@ class RayRanks:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        use_gpu = spec.device.startswith("cuda")
-        num_cpus = spec.num_threads or 1
+        use_gpu = spec.worker.device.type == "cuda"
+        num_cpus = spec.worker.num_threads or 1
         self._own_group = None
         group = ray.util.get_current_placement_group()
         if group is not None and len(group.bundle_specs) >= world_size:

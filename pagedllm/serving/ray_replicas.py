@@ -28,8 +28,7 @@ from pagedllm.engine.async_engine import (
     RequestFailedError,
     RequestRejectedError,
 )
-from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +88,11 @@ class EngineReplica:
 
         return {0: {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}}
 
-    async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int
-    ) -> Any:
+    async def generate(self, request: EngineRequest) -> Any:
         """Streaming generator: ReplicaEvent("accepted") or a refusal, then the RequestOutputs."""
         engine = self.async_engine
         try:
-            await engine.add_request(request_id, prompt, params, arrival_time, priority)
+            await engine.add(request)
         except ValueError as exc:
             yield ReplicaEvent("refused", str(exc), getattr(exc, "param", None))
             return
@@ -104,7 +101,7 @@ class EngineReplica:
             return
         yield ReplicaEvent("accepted")
         try:
-            async for output in engine.stream_outputs(request_id):
+            async for output in engine.stream_outputs(request.request_id):
                 yield output
         except RequestRejectedError as exc:
             yield ReplicaEvent("rejected", str(exc))

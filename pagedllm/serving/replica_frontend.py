@@ -1,6 +1,6 @@
 """ReplicatedEngine: the server's engine front when the engines are replicas on Ray.
 
-It answers what the server asks of AsyncLLMEngine (add_request, stream_outputs, abort,
+It answers what the server asks of AsyncLLMEngine (add, stream_outputs, abort,
 check_alive, is_healthy, get_stats, start, shutdown, fail_all_requests, ``engine`` with the
 tokenizer and configs, ``output_observer``), so the OpenAI handlers run unchanged. Each request
 goes to the replica the router (pagedllm/serving/router.py) chooses from the prompt's token ids and
@@ -39,8 +39,7 @@ from pagedllm.engine.async_engine import (
     record_output,
 )
 from pagedllm.engine.engine_client import EngineClient
-from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.request import EngineRequest
 from pagedllm.sequence import RequestOutput
 from pagedllm.serving.data_parallel import DataParallelConfig
 from pagedllm.serving.ray_replicas import ReplicaEvent
@@ -61,12 +60,10 @@ _STREAM_AHEAD = 2
 
 @dataclass(slots=True)
 class _Request:
-    request_id: str
-    prompt: Any
-    params: SamplingParams | PoolingParams
-    arrival_time: float
-    priority: int
-    token_ids: list[int]
+    """A request in flight and where it runs."""
+
+    engine_request: EngineRequest
+    token_ids: list[int]  # the prompt's, for the router
     timing: RequestTiming
     replica: int = -1
     generator: Any = None
@@ -77,7 +74,15 @@ class _Request:
     # nothing, so the request may run again from the start however far it had got.
     buffered: bool = False
     tried: set[int] = field(default_factory=set)
-    cache_key: str | None = None  # the request's prompt_cache_key: the router keeps a key on one replica
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def cache_key(self) -> str | None:
+        """The request's prompt_cache_key: the router keeps a key on one replica."""
+        return self.engine_request.cache_key
 
 
 class _ReplicaGone(Exception):
@@ -233,33 +238,24 @@ class ReplicatedEngine(EngineClient):
                                                shell.model_config.hf_config.vocab_size)
         return token_ids
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        prompt_cache_key: str | None = None,
-    ) -> None:
+    async def add(self, request: EngineRequest) -> None:
         """Queue one request on the replica the router picks; a refused prompt raises ValueError.
 
-        ``prompt_cache_key``: requests with the same key go to the same replica while it is live and
+        ``request.cache_key``: requests with the same key go to the same replica while it is live and
         not overloaded (the router's affinity), sharing its prefix cache."""
         self.check_alive()
-        if request_id in self._requests:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        token_ids = await self._routing_token_ids(prompt)
-        request = _Request(request_id, prompt, params, arrival_time, priority, token_ids, RequestTiming(arrival_time),
-                           cache_key=prompt_cache_key)
-        self._requests[request_id] = request
+        if request.request_id in self._requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        request = request.with_arrival_time()
+        token_ids = await self._routing_token_ids(request.prompt)
+        routed = _Request(request, token_ids, RequestTiming(request.arrival_time))
+        self._requests[request.request_id] = routed
         if not self.is_running:
             self.start()
         try:
-            await self._submit(request)
+            await self._submit(routed)
         except BaseException:
-            self._forget(request, abort=True)
+            self._forget(routed, abort=True)
             raise
 
     async def _submit(self, request: _Request) -> None:
@@ -282,9 +278,7 @@ class ReplicatedEngine(EngineClient):
             # instead of piling them up in Ray's object store, as in a single-process server.
             request.generator = self.actors[replica].generate.options(
                 num_returns="streaming", _generator_backpressure_num_objects=_STREAM_AHEAD
-            ).remote(
-                request.request_id, request.prompt, request.params, request.arrival_time, request.priority
-            )
+            ).remote(request.engine_request)
             try:
                 event = await self._next_item(request)
             except _ReplicaGone as exc:
@@ -326,7 +320,7 @@ class ReplicatedEngine(EngineClient):
         return item
 
     async def stream_outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the outputs of a request added with add_request until it finishes (closing aborts it)."""
+        """Yield the outputs of a request added with ``add`` until it finishes (closing aborts it)."""
         request = self._requests.get(request_id)
         if request is None:
             raise KeyError(f"No request {request_id!r} in flight.")

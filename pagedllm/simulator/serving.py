@@ -4,7 +4,7 @@ Each iteration is LLMEngine's step, the engine core's (engine/engine_core.py), w
 SimulatedExecutor in the model's place: requests whose Poisson arrival time has passed are queued,
 ``Scheduler.schedule()`` decides the step (any policy, sharing, preemption, chunked prompts), the
 cost model turns the step's contents into seconds, the clock advances, and, when the clock reaches
-the step's end, ``Scheduler.postprocess`` does the engine's bookkeeping, every sequence that
+the step's end, ``Scheduler.update`` does the engine's bookkeeping, every sequence that
 sampled getting one token (parallel samples fork when the prompt is done, exactly as in the
 engine). A request ends when its sequences reach the trace's output length. When nothing can
 run, the clock jumps to the next arrival.
@@ -102,7 +102,7 @@ class SimResult:
 
 
 def step_features(out: SchedulerOutputs, block_size: int) -> StepFeatures:
-    """The cost model's view of a scheduled step (call it before ``postprocess`` advances it)."""
+    """The cost model's view of a scheduled step (call it before ``update`` advances it)."""
     f = StepFeatures()
     for group in out.scheduled_seq_groups:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -130,9 +130,9 @@ class _Request:
         self.finish_time: float | None = None
 
 
-def sample_index_token(group: SequenceGroup, seq: Sequence) -> int:
+def sample_index_token(group: SequenceGroup, sample_index: int, seq_len: int) -> int:
     """A simulated token: the sample's index in its request (outputs differ per sample)."""
-    return group.seqs.index(seq)
+    return sample_index
 
 
 def make_scheduler(config: SimConfig, kv_allocation: str, batching: str) -> Scheduler:
@@ -197,7 +197,8 @@ class _Replica:
         """Finish the step in flight, queue the inbox, schedule and time the next step."""
         scheduler = self.scheduler
         if self.step_in_flight is not None:
-            for group in self.core.finish(self.step_in_flight).result.groups_with_tokens:
+            for request in self.core.finish(self.step_in_flight).result.requests:
+                group = request.group
                 if group.is_finished():
                     request = self.live.pop(group.request_id)
                     request.finish_time = self.clock

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.attention.key_offset import calibrate_key_offsets
-from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.layers.parallel_layers import local_num_kv_heads
 from pagedllm.layers.parallel_state import TensorParallelState, building_with, get_active_tp_state
 from pagedllm.models.decoder import DecoderModel
@@ -20,6 +19,7 @@ from pagedllm.sampling import Sampler, SamplerOutput
 from pagedllm.step_timing import StepTimer
 from pagedllm.worker.cache_engine import CacheEngine, decide_num_gpu_blocks, pool_block_bytes
 from pagedllm.worker.model_runner import ModelRunner, StepInput
+from pagedllm.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +45,9 @@ class Worker:
     Only rank 0 samples; the others run the forward pass and their part of the logits.
     """
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        device: torch.device,
-        eos_token_id: int | None,
-        max_num_batched_tokens: int,
-        seed: int = 0,
-        num_threads: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        draft_model_config: ModelConfig | None = None,
-    ) -> None:
+    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1) -> None:
+        model_config, cache_config, device = config.model_config, config.cache_config, config.device
+        draft_model_config = config.draft_model_config
         tp_state = get_active_tp_state() if world_size > 1 else TensorParallelState()
         if tp_state is None or tp_state.world_size != world_size or tp_state.rank != rank:
             raise RuntimeError(f"Worker rank {rank} of {world_size}: the tensor-parallel group is not set up.")
@@ -65,7 +55,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         if device.type == "cpu":
-            torch.set_num_threads(num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = device
         self.model_config = model_config
         self.cache_config = cache_config
@@ -85,11 +75,11 @@ class Worker:
                 build_model(draft_model_config, device), cache_config.block_size, device, vocab_size
             )
             logger.info("draft model loaded in %.1f s", time.perf_counter() - start)
-        self.sampler = Sampler(eos_token_id=eos_token_id, vocab_size=vocab_size)
+        self.sampler = Sampler(eos_token_id=config.eos_token_id, vocab_size=vocab_size)
         self.runner = ModelRunner(self.model, cache_config.block_size, device, self.sampler)
         if device.type == "cuda" and cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
             # Peak activation memory must stay free: measure it with one maximal step first.
-            self.runner.profile_run(min(max_num_batched_tokens, model_config.max_model_len))
+            self.runner.profile_run(min(config.max_num_batched_tokens, model_config.max_model_len))
             torch.cuda.synchronize(device)
         dtype = model_config.dtype
         num_kv_heads = local_num_kv_heads(model_config.num_kv_heads, world_size)
@@ -119,7 +109,7 @@ class Worker:
             layers = sum(calibrate_key_offsets(model, vocab_size, device, max_len) for model in models)
             logger.info("key offsets of %d attention layers measured in %.1f s", layers, time.perf_counter() - start)
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(config.seed)
 
     def attach_step_timer(self, timer: StepTimer) -> bool:
         self.runner.step_timer = timer

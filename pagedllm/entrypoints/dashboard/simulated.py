@@ -95,7 +95,7 @@ class SteppedSimulation:
         dt = self.executor.last_step_time
         self.clock += dt
         self.num_steps += 1
-        for group in step.result.groups_with_tokens:
+        for group in (request.group for request in step.result.requests):
             self._token_times(group)
             if group.is_finished():
                 self._forget(group.request_id)

@@ -24,6 +24,7 @@ from pagedllm.engine.async_engine import (
     RequestRejectedError,
 )
 from pagedllm.engine.engine_client import EngineClient
+from pagedllm.engine.request import EngineRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sequence import RequestOutput
@@ -273,8 +274,8 @@ class ServingContext:
         added: list[str] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                await self.async_engine.add_request(request_id, prompt, params, priority=priority,
-                                                    prompt_cache_key=prompt_cache_key)
+                await self.async_engine.add(EngineRequest(request_id, prompt, params, priority=priority,
+                                                          cache_key=prompt_cache_key))
                 added.append(request_id)
         except BaseException as exc:
             for request_id in added:
