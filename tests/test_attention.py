@@ -11,12 +11,14 @@ from requirements_here import require_kernels
 from pagedllm.attention import AttentionMetadata, PagedAttention
 from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx
+from pagedllm.kernels.codes import CHUNKED_KERNEL
 
 
 def reference_attention(query, k_cache, v_cache, block_table, positions, num_heads, num_kv_heads, window=None,
-                        soft_cap=None):
+                        soft_cap=None, sinks=None):
     """For each query at absolute position p: attend to slots of positions 0..p (p - window + 1..p
-    with a window), one token at a time; scores soft-capped as cap * tanh(s / cap) with a cap."""
+    with a window), one token at a time; scores soft-capped as cap * tanh(s / cap) with a cap; with
+    ``sinks`` ([num_heads]) each head's sink logit one more score of the softmax, with no value."""
     block_size = k_cache.shape[1]
     group = num_heads // num_kv_heads
     head_dim = k_cache.shape[-1]
@@ -33,7 +35,11 @@ def reference_attention(query, k_cache, v_cache, block_table, positions, num_hea
             scores = keys[:, kv_head] @ query[qi, h].double() / math.sqrt(head_dim)
             if soft_cap:
                 scores = soft_cap * torch.tanh(scores / soft_cap)
-            out[qi, h] = torch.softmax(scores, 0) @ values[:, kv_head]
+            if sinks is not None:
+                probs = torch.softmax(torch.cat((scores, sinks[h : h + 1].double())), 0)[:-1]
+            else:
+                probs = torch.softmax(scores, 0)
+            out[qi, h] = probs @ values[:, kv_head]
     return out
 
 
@@ -94,7 +100,15 @@ def case_metadata(seqs, block_size: int, window=None):
     return meta, starts, positions_per_seq, slots
 
 
-def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None, dtype=torch.float32):
+def sink_logits(num_heads: int, seed: int) -> torch.Tensor:
+    """Sinks far from zero, as trained ones are (exp(sink) of the order of the scores' sum): a kernel
+    that ignores them fails every comparison."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(1000 + seed)) * 2
+
+
+def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None, dtype=torch.float32,
+         sinks=False) -> torch.Tensor:
+    """The layer's output for one random case, checked against the token-by-token reference."""
     num_heads, num_kv_heads, block_size = 4, 2, 4
     k_cache, v_cache, seqs = _make_case(seed, kind, head_dim=head_dim, released=window is not None)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
@@ -104,7 +118,10 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None
     key = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
     value = torch.randn(total_new, num_kv_heads * head_dim).to(dtype)
     meta, starts, positions_per_seq, slots = case_metadata(seqs, block_size, window)
-    attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
+    attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap, sinks)
+    sink_values = sink_logits(num_heads, seed) if sinks else None
+    if sinks:
+        attn.sinks.copy_(sink_values)
     attn.use_cpu_kernel = use_cpu_kernel
     out = attn(query, key, value, (k_cache, v_cache), meta).view(total_new, num_heads, head_dim)
     # The reference writes through slot_mapping by hand, token by token.
@@ -116,10 +133,11 @@ def _run(seed, kind, use_cpu_kernel=True, head_dim=8, window=None, soft_cap=None
     for i, (_, _, table) in enumerate(seqs):
         start, end = starts[i], starts[i + 1]
         expected = reference_attention(q[start:end], ref_k, ref_v, table, positions_per_seq[i], num_heads, num_kv_heads,
-                                       window, soft_cap)
+                                       window, soft_cap, sink_values)
         # bfloat16: the output is rounded to 8 bits of mantissa (the inputs are exact in both).
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[start:end].double(), expected, atol=tol, rtol=tol)
+    return out
 
 
 @pytest.mark.parametrize("path", kernel_paths())
@@ -222,12 +240,14 @@ def test_bf16_prompt_chunks_on_amx_tiles(monkeypatch, window, without_batch_inva
 
 
 @pytest.mark.kernels(level="amx")
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize(
     "block_size, num_heads, num_kv_heads, head_dim", [(16, 9, 3, 64), (4, 4, 4, 128), (8, 6, 1, 64)]
 )
-def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, head_dim):
+def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, head_dim, with_sinks):
     """The tile kernel over prompts and chunks that span many 16-row and 64-key steps (lengths
-    off every step), blocks scattered through the pool, against float64 attention."""
+    off every step), blocks scattered through the pool, against float64 attention; with sinks,
+    each head's sink logit one more score of every row's softmax."""
     torch.manual_seed(0)
     chunks = [(0, 200), (100, 150), (37, 1), (64, 64), (0, 17), (250, 9)]  # (cached, new)
     lens = [c + n for c, n in chunks]
@@ -246,7 +266,8 @@ def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, h
         starts.append(starts[-1] + n)
     query = (torch.randn(starts[-1], num_heads, head_dim) * 2).to(torch.bfloat16)
     scale = head_dim**-0.5
-    out = prompt_attention_amx(query, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), scale)
+    sinks = sink_logits(num_heads, 0) if with_sinks else None
+    out = prompt_attention_amx(query, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens), scale, sinks)
     group = num_heads // num_kv_heads
     for b, (cached, _) in enumerate(chunks):
         k = k_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[: lens[b]].double().repeat_interleave(group, 1)
@@ -254,7 +275,12 @@ def test_amx_prompt_attention_long_chunks(block_size, num_heads, num_kv_heads, h
         q = query[starts[b] : starts[b + 1]].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         visible = torch.arange(lens[b])[None, :] <= torch.arange(cached, lens[b])[:, None]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if with_sinks:
+            sink_column = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat((scores, sink_column), -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
         expected = torch.einsum("hqk,khd->qhd", probs, v)
         # Probabilities multiply the values in bfloat16, the output is rounded to bfloat16.
         torch.testing.assert_close(out[starts[b] : starts[b + 1]].double(), expected, atol=2e-2, rtol=2e-2)
@@ -272,6 +298,92 @@ def test_mixed_batch_with_window_and_soft_cap(path, window, soft_cap, invariant)
                      soft_cap=soft_cap)
         if level is not None:
             _assert_mixed_kernel_ran(level, invariant)
+
+
+# ---------------------------------------------------------------- attention sinks (GPT-OSS)
+
+
+def _sinks_kernels_equal_torch(seed: int, kind: str, **case) -> None:
+    """One case of a layer with sinks through the C++ kernels and through the torch path (its
+    explicit softmax with the sink as one more column): each equals the reference, and they equal
+    each other to the same tolerance."""
+    kernels = _run(seed, kind, use_cpu_kernel=True, sinks=True, **case)
+    torch_path = _run(seed, kind, use_cpu_kernel=False, sinks=True, **case)
+    tol = 1e-5 if case.get("dtype", torch.float32) == torch.float32 else 2e-2
+    torch.testing.assert_close(kernels.double(), torch_path.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_decode_with_sinks(path, head_dim, dtype, window):
+    """Decodes of a layer with sinks: the decode kernel at every level (heads of 64 on its AVX-512
+    rows, of 8 on the portable loop) equals the reference and the torch path; the torch path
+    equals the reference."""
+    with at_path(path) as level:
+        for seed in range(8):
+            if level is None:
+                _run(seed, "decode", use_cpu_kernel=False, head_dim=head_dim, window=window, dtype=dtype, sinks=True)
+            else:
+                _sinks_kernels_equal_torch(seed, "decode", head_dim=head_dim, window=window, dtype=dtype)
+        if level is not None:
+            level.assert_ran("paged_decode_attention")
+
+
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (8, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_mixed_batch_with_sinks(path, invariant, dtype, window, soft_cap):
+    """Decodes and prompt chunks of a layer with sinks, with a window and a soft cap (the sink joins
+    after the cap): every row through the decode kernel (batch invariance) or the chunked kernel
+    (and, in bfloat16 on AMX, the tile kernel for prompts with nothing cached) equal the reference
+    and the torch path."""
+    with at_path(path) as level, use_kernel_config(batch_invariant=invariant):
+        for seed in range(8):
+            for head_dim in (8, 64):
+                case = dict(head_dim=head_dim, window=window, soft_cap=soft_cap, dtype=dtype)
+                if level is None:
+                    _run(seed, "mixed", use_cpu_kernel=False, sinks=True, **case)
+                else:
+                    _sinks_kernels_equal_torch(seed, "mixed", **case)
+        if level is not None:
+            _assert_mixed_kernel_ran(level, invariant)
+
+
+def test_sinks_leave_nothing_to_sdpa(without_batch_invariance):
+    """torch's fused SDPA takes no sinks: a layer with sinks plans a float32 prompt (which SDPA
+    serves without sinks) onto the chunked kernel."""
+    k_cache, v_cache, _ = _make_case(0, "prefill")
+    meta, *_ = case_metadata([(0, 9, [1, 2, 3]), (5, 1, [4, 5])], block_size=4)
+    query = torch.empty(0, 4, 8)
+    plain = PagedAttention(4, 8, 2, 0.5)
+    assert plain.cpu_plan(meta, query, k_cache)[1] == (0,)
+    with_sinks = PagedAttention(4, 8, 2, 0.5, sinks=True)
+    assert with_sinks.cpu_plan(meta, query, k_cache) == ([(CHUNKED_KERNEL, meta)], ())
+
+
+@pytest.mark.kernels(level="amx")
+@pytest.mark.parametrize("window", [None, 40])
+def test_bf16_prompt_chunks_with_sinks_on_amx_tiles(monkeypatch, window, without_batch_invariance):
+    """bfloat16 prompt chunks of a layer with sinks on the AMX kernel, whatever their size (SDPA,
+    which takes larger ones without sinks, has no sinks): equal to the reference and the torch path."""
+    import pagedllm.attention.backend as backend
+
+    monkeypatch.setattr(backend, "SDPA_MIN_CHUNK", 2)
+    monkeypatch.setattr(backend, "AMX_MAX_CHUNK_PAIRS", 0)  # without sinks: every chunk to SDPA
+    calls = []
+
+    def recording_amx(query, *args):
+        calls.append(query.shape[0])
+        return prompt_attention_amx(query, *args)
+
+    monkeypatch.setattr(backend, "prompt_attention_amx", recording_amx)
+    for seed in range(12):
+        for head_dim in (64, 128):
+            _sinks_kernels_equal_torch(seed, "mixed", head_dim=head_dim, window=window, dtype=torch.bfloat16)
+    assert calls
 
 
 def test_cpu_kernel_builds_here():

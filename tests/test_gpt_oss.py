@@ -1,12 +1,12 @@
 """GPT-OSS against transformers on tiny random models, through the paged KV cache and the engine.
 
 What GPT-OSS adds to the one decoder: attention sinks (a learned logit per head in every softmax's
-denominator, served by the torch attention path), sliding and full layers alternating, biases on
-q/k/v/o, yarn rope (``truncate`` off, as released), and its mixture of experts (a router with a
-bias choosing the top k logits before a softmax over them; experts with biases and the clamped
-SwiGLU; fused 3-D expert tensors with gate and up interleaved). Its released checkpoints store the
-experts in MXFP4: those load packed, never as floats, and equal transformers running the same
-weights dequantized.
+denominator, served on CPU by the C++ attention kernels, on a GPU by the torch path), sliding and
+full layers alternating, biases on q/k/v/o, yarn rope (``truncate`` off, as released), and its
+mixture of experts (a router with a bias choosing the top k logits before a softmax over them;
+experts with biases and the clamped SwiGLU; fused 3-D expert tensors with gate and up interleaved).
+Its released checkpoints store the experts in MXFP4: those load packed, never as floats, and equal
+transformers running the same weights dequantized.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from oracle import hf_greedy
-from requirements_here import require
+from requirements_here import require, require_kernels
 from test_gguf_families import _logits
 from test_model_families import VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
 from test_models import PagedBatch, make_caches
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import PagedAttention
+from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.layer_program import layer_program
 from pagedllm.models.moe import ClampedSwiGLU, SparseMoE
@@ -111,10 +112,10 @@ def test_settings_reach_the_layers(gpt_oss_dir: str) -> None:
         expert = moe.experts[0]
         assert isinstance(expert.act_and_mul, ClampedSwiGLU) and expert.act_and_mul.limit == SWIGLU_LIMIT
         assert expert.gate_up_proj.bias is not None and expert.down_proj.bias is not None
-        # Sinks, MoE: the C++ layer loop refuses these layers (its kernels compute neither), and says so.
+        # The C++ layer loop takes the sinks; the mixture of experts is what keeps these layers out of it.
         gaps = layer_program(layer, list(model.model.rotary), torch.float32).gaps
-        assert any("sinks" in gap for gap in gaps) and any("mixture of experts" in gap for gap in gaps), gaps
-    assert not attn.attn.cpu_kernels_apply  # the C++ attention kernels do not take sinks
+        assert len(gaps) == 1 and "mixture of experts" in gaps[0], gaps
+        assert attn.attn.cpu_kernels_apply  # the C++ attention kernels take sinks
 
 
 def test_sinks_and_clamp_change_the_reference(gpt_oss_dir: str) -> None:
@@ -143,18 +144,42 @@ def _hf_greedy(hf_model, prompts: list[list[int]]) -> list[list[int]]:
                 for p in prompts]
 
 
+def attention_kernel_runs() -> dict[str, int]:
+    """Calls of each C++ attention kernel since the module loaded."""
+    branches = cpu_kernels().kernel_branches()
+    return {name: branches[name][1] for name in ATTENTION_KERNELS}
+
+
+ATTENTION_KERNELS = ("paged_decode_attention", "paged_chunked_attention", "prompt_attention_amx")
+
+
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_logits_match_transformers(gpt_oss_dir: str, use_kernel: bool) -> None:
+def test_logits_match_transformers(gpt_oss_dir: str, use_kernel: bool, invariant: bool) -> None:
     """A batched prefill of prompts inside, across and past the window, then a decode step: logits
-    equal transformers'. ``use_kernel`` True asks for the C++ attention kernels, which a layer with
-    sinks passes over for the torch path: both give the same result."""
+    equal transformers'. ``use_kernel``: through the C++ attention kernels (the decode kernel for
+    every row under batch invariance, else the chunked kernel for the prompts), which must serve
+    every attention of the step; else the torch path, which must serve them all."""
+    if use_kernel:
+        require_kernels()
     hf_model = load_hf(gpt_oss_dir)
     model_config = load_model_config(gpt_oss_dir, dtype="float32")
     model = build_model(model_config, "cpu")
     set_attention_kernels(model, use_kernel)
     prompts = prompts_for(1)
     next_tokens = [5, 17, 101, 42]
-    prefill, decode = _logits(model, model_config, prompts, next_tokens)
+    before = attention_kernel_runs() if cpu_kernels() is not None else None
+    with use_kernel_config(batch_invariant=invariant):
+        prefill, decode = _logits(model, model_config, prompts, next_tokens)
+    if use_kernel:
+        runs = {name: n - before[name] for name, n in attention_kernel_runs().items()}
+        layers = len(model.model.layers)
+        # Per layer: the prefill (every row as a decode, or the chunked kernel) and the decode step.
+        expected_decodes = 2 * layers if invariant else layers
+        assert runs == {"paged_decode_attention": expected_decodes,
+                        "paged_chunked_attention": 0 if invariant else layers, "prompt_attention_amx": 0}, runs
+    elif before is not None:
+        assert attention_kernel_runs() == before  # the torch path served every layer
     for i, (prompt, token) in enumerate(zip(prompts, next_tokens)):
         ref_prefill, ref_step = hf_prompt_and_step(hf_model, prompt, token)
         torch.testing.assert_close(prefill[i], ref_prefill, atol=1e-4, rtol=1e-4)
@@ -167,9 +192,22 @@ def test_logits_match_transformers(gpt_oss_dir: str, use_kernel: bool) -> None:
 CHUNK_PLAN = ([4, 4, 4, 4, 4, 4], [9, 1, 1, 1, 11, 1], [1, 1, 1, 1, 1, 19])
 
 
-def test_chunked_steps_match_transformers(gpt_oss_dir: str) -> None:
+@pytest.mark.parametrize("invariant", [True, False])
+def test_chunked_steps_match_transformers(gpt_oss_dir: str, invariant: bool) -> None:
     """Sequences of 24 tokens fed in the chunks of CHUNK_PLAN: every row's logits equal
-    transformers' over the whole sequence."""
+    transformers' over the whole sequence, the C++ attention kernels serving every step (the decode
+    kernel for every row under batch invariance, else the chunked kernel for mixed steps)."""
+    require_kernels()
+    before = attention_kernel_runs()
+    with use_kernel_config(batch_invariant=invariant):
+        _check_chunked_steps(gpt_oss_dir)
+    runs = {name: n - before[name] for name, n in attention_kernel_runs().items()}
+    calls = len(CHUNK_PLAN[0]) * gpt_oss_config().num_hidden_layers  # every step has a chunk
+    kernel = "paged_decode_attention" if invariant else "paged_chunked_attention"
+    assert runs == {**dict.fromkeys(ATTENTION_KERNELS, 0), kernel: calls}, runs
+
+
+def _check_chunked_steps(gpt_oss_dir: str) -> None:
     hf_model = load_hf(gpt_oss_dir)
     model_config = load_model_config(gpt_oss_dir, dtype="float32")
     model = build_model(model_config, "cpu")
@@ -196,10 +234,15 @@ def test_chunked_steps_match_transformers(gpt_oss_dir: str) -> None:
 def test_engine_greedy_equals_transformers(gpt_oss_dir: str) -> None:
     """Through the engine (scheduler, block manager with windows, sampler; prompts chunked by a small
     token budget): greedy tokens equal transformers' token for token, no block leaked."""
+    require_kernels()
     llm = LLM(gpt_oss_dir, dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
     prompts = prompts_for(3, (3, 9, 21))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    before = attention_kernel_runs()
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    # The decode kernel attends every row (batch invariance, the default): every step, every layer.
+    assert attention_kernel_runs()["paged_decode_attention"] - before["paged_decode_attention"] >= (
+        NEW_TOKENS * gpt_oss_config().num_hidden_layers)
     assert got == hf_greedy(gpt_oss_dir, prompts, NEW_TOKENS)
     assert_no_leaks(llm)
 

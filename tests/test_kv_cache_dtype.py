@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_levels import at_path, kernel_paths
 from requirements_here import require_kernels
-from test_attention import _make_case, case_metadata, reference_attention
+from test_attention import _make_case, case_metadata, reference_attention, sink_logits
 
 from pagedllm.attention import PagedAttention, write_to_cache
 from pagedllm.attention.kv_quant import (
@@ -161,16 +161,20 @@ def _quantized_case(seed: int, kind: str, fmt, head_dim: int, window: int | None
 
 
 def _check_against_reference(path: str, kind: str, name: str, head_dim: int, window=None, soft_cap=None,
-                             query_dtype=torch.float32, seeds=range(6), key_offset: bool = False) -> None:
+                             query_dtype=torch.float32, seeds=range(6), key_offset: bool = False,
+                             sinks: bool = False) -> None:
     """With ``key_offset`` the layer subtracts one from the step's keys (the context rows stand for
     keys stored less it) and the reference also attends over the keys with it added back: softmax
-    does not see it."""
+    does not see it. With ``sinks`` the layer has a sink logit per head (GPT-OSS)."""
     fmt = FORMATS[name]
     num_heads, num_kv_heads = 4, 2
     for seed in seeds:
         k_cache, v_cache, seqs, (query, key, value), meta, starts, positions = _quantized_case(
             seed, kind, fmt, head_dim, window, query_dtype=query_dtype)
-        attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap)
+        attn = PagedAttention(num_heads, head_dim, num_kv_heads, 1 / math.sqrt(head_dim), window, soft_cap, sinks)
+        sink_values = sink_logits(num_heads, seed) if sinks else None
+        if sinks:
+            attn.sinks.copy_(sink_values)
         attn.use_cpu_kernel = path != "torch"
         offset = _states(num_kv_heads, head_dim, seed=seed + 7) if key_offset else None
         attn.key_offset = offset
@@ -185,7 +189,7 @@ def _check_against_reference(path: str, kind: str, name: str, head_dim: int, win
         q = query.view(-1, num_heads, head_dim)
         for i, (_, _, table) in enumerate(seqs):
             expected = reference_attention(q[starts[i] : starts[i + 1]].float(), k_ref, v_ref, table, positions[i],
-                                           num_heads, num_kv_heads, window, soft_cap)
+                                           num_heads, num_kv_heads, window, soft_cap, sink_values)
             tol = 1e-5 if query_dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=tol, rtol=tol)
 
@@ -233,6 +237,19 @@ def test_windows_and_soft_caps_over_quantized_rows(path: str, invariant: bool, n
         _check_against_reference(path, "mixed", name, 64, window=window, soft_cap=soft_cap, seeds=range(4))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("path", kernel_paths())
+def test_sinks_over_quantized_rows(path: str, invariant: bool, name: str, window) -> None:
+    """A layer with sinks (which keeps no key offset: the sink does not move with the keys) over a
+    quantized cache: the decode and chunked kernels' softmax takes the sink as the torch path's does."""
+    with at_path(path) as level, use_kernel_config(batch_invariant=invariant):
+        _check_against_reference(path, "mixed", name, 64, window=window, seeds=range(4), sinks=True)
+        if level is not None:
+            level.assert_ran("paged_decode_attention" if invariant else "paged_chunked_attention")
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_bfloat16_queries_over_quantized_rows(name: str) -> None:
     with use_kernel_config(batch_invariant=False):
@@ -264,8 +281,8 @@ def test_a_cache_of_another_dtype_is_refused_clearly() -> None:
     cache = torch.zeros(4, 4, 2, 64, dtype=torch.int16)
     with pytest.raises(RuntimeError, match="cannot serve"):
         cpu_kernels().paged_decode_attention(query, cache, cache, torch.zeros(1, 1, dtype=torch.long),
-                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0)
+                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0, torch.empty(0))
     short_rows = torch.zeros(4, 4, 2, 64, dtype=torch.int8)  # no room for the scale
     with pytest.raises(RuntimeError, match="holds 66 elements"):
         cpu_kernels().paged_decode_attention(query, short_rows, short_rows, torch.zeros(1, 1, dtype=torch.long),
-                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0)
+                                             torch.ones(1, dtype=torch.long), 0.1, 0, 0.0, torch.empty(0))

@@ -15,14 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from requirements_here import require
-from test_layer_stack import STEPS, _count_stack_runs, _step_logits, _without_stack
+from test_layer_stack import CONFIGS, STEPS, _count_stack_runs, _step_logits, _without_stack
 from test_model_families import family_config as family_config_a
 from test_model_families_2026 import family_config as family_config_b
 from test_model_families_transformers import DENSE as DENSE_C
 from test_model_families_transformers import family_config as family_config_c
 from test_models import TINY
 
-from pagedllm.kernels import use_kernel_config
+from pagedllm.kernels import kernel_config, use_kernel_config
+from pagedllm.kernels.attention import prompt_attention_amx_supported
+from pagedllm.kernels.codes import AMX_KERNEL, CHUNKED_KERNEL, DECODE_KERNEL
 from pagedllm.layers.cpu_gemm import panels_supported
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.families import FAMILIES
@@ -60,8 +62,12 @@ DENSE = {
 
 
 def _build(tmp_path, name: str, dtype: str, quantization: str | None):
+    return _build_config(tmp_path, DENSE[name](), dtype, quantization)
+
+
+def _build_config(tmp_path, config, dtype: str, quantization: str | None):
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(DENSE[name](), dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # biases and norms away from their initial zeros and ones
         for param_name, p in hf_model.named_parameters():
             if param_name.endswith("bias") or "norm" in param_name:
@@ -104,3 +110,53 @@ def test_a_layer_the_loop_cannot_run_names_its_gap(tmp_path) -> None:
         _, model = _build(tmp_path, "olmo2", "float32", None)
         report = stack_report(model.model)
     assert report.startswith("Python layers: ") and "a weight torch or oneDNN multiplies (layers 0-1)" in report
+
+
+# Dense models given GPT-OSS's attention sinks: no transformers family has sinks over a dense MLP (GPT-OSS's
+# own layers have experts, which the loop does not run: test_gpt_oss checks that this is their only gap).
+# Qwen3 as configured here: q/k/v/o biases and a full then a sliding layer, as GPT-OSS alternates them;
+# llama-head64: one window for all layers (the loop then plans mixed steps too) and heads the AMX
+# prompt kernel takes.
+SINKS = {"qwen3": lambda: family_config_a("qwen3"), "llama-head64": lambda: CONFIGS["llama-head64"]}
+
+
+def _add_sinks(model) -> None:
+    """A sink logit per head on every attention layer, far from zero as trained ones are, in the
+    model's dtype as GPT-OSS's load."""
+    gen = torch.Generator().manual_seed(7)
+    dtype = model.model.embed_tokens.weight.dtype
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        sinks = torch.randn(attn.num_heads, generator=gen) * 2
+        attn.sinks = torch.nn.Parameter(sinks.to(dtype), requires_grad=False)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(SINKS))
+def test_dense_layers_with_sinks_run_in_the_layer_loop(name, dtype, invariant, tmp_path, monkeypatch) -> None:
+    """The loop passes each layer's sinks to the attention kernels: its programs have no gaps, the
+    steps it plans run there, and the logits equal the Python layers' (attending through the same
+    kernels with the same sinks) bit for bit; without the sinks they differ."""
+    with use_kernel_config(batch_invariant=invariant):
+        model_config, model = _build_config(tmp_path, SINKS[name](), dtype, "int8")
+        plain = _step_logits(model, model_config)
+        _add_sinks(model)
+        model.model._stack_key = -1  # decide again, over the layers with sinks
+        programs = model_programs(model.model)
+        assert not any(p.gaps for p in programs), gaps_summary(programs)
+        runs = _count_stack_runs(monkeypatch)
+        with_stack = _step_logits(model, model_config)
+        if kernel_config().batch_invariant:  # every step, every row through the decode kernel
+            assert runs == [[DECODE_KERNEL]] * len(STEPS)
+        elif name == "llama-head64":  # the loop plans the mixed steps of one window
+            assert runs.count([DECODE_KERNEL]) == 4 and [CHUNKED_KERNEL] in runs
+            bf16 = torch.empty(1, model_config.head_dim, dtype=torch.bfloat16)
+            if dtype == "bfloat16" and prompt_attention_amx_supported(bf16, bf16):
+                assert [AMX_KERNEL, CHUNKED_KERNEL] in runs
+        else:  # windows differ between layers: mixed steps on the Python layers, decodes in the loop
+            assert runs == [[DECODE_KERNEL]] * 4
+        without = _without_stack(model, model_config)
+    for step, (a, b, c) in enumerate(zip(with_stack, without, plain, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+        assert not torch.equal(a, c), f"step {step}: the sinks changed nothing"

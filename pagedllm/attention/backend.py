@@ -30,11 +30,13 @@ block manager may then have released blocks wholly before every layer's window, 
 table entries point at block 0: such positions are never read by the kernels and are masked out
 in the torch paths. Attention soft-capping (Gemma 2) squashes the scores with cap * tanh(s / cap)
 before the softmax. Attention sinks (GPT-OSS) add a learned logit per head to every softmax's
-denominator, a key that is always seen and contributes no value; a layer with sinks attends through
-the torch path, whatever the device: the C++ kernels do not take sinks yet. Under batch invariance
-the torch path's decodes on a CPU attend one sequence at a time over its own context (not padded
-to the batch's longest), so they do not depend on the batch; its prompt chunks attend a chunk at
-once (kernels/invariance.py).
+denominator, after the soft cap: a key that is always seen and contributes no value. The C++ kernels
+take them; torch's fused SDPA does not, so on a CPU a sinks layer's prompt chunks that would go to
+SDPA go to the AMX tile kernel (bfloat16, no pair limit) or the chunked kernel, and the torch path
+(GPUs, or no kernels) computes its softmax explicitly. Under batch invariance the torch path's
+decodes on a CPU attend one sequence at a time over its own context (not padded to the batch's
+longest), so they do not depend on the batch; its prompt chunks attend a chunk at once
+(kernels/invariance.py).
 """
 
 from __future__ import annotations
@@ -269,9 +271,13 @@ class PagedAttention(nn.Module):
 
     @property
     def cpu_kernels_apply(self) -> bool:
-        """Whether the C++ attention kernels may serve this layer. They do not take sinks yet: a layer
-        with sinks always attends through the torch path (the C++ layer loop refuses it too)."""
-        return self.use_cpu_kernel and self.sinks is None
+        """Whether the C++ attention kernels may serve this layer (on a CPU, where they are built)."""
+        return self.use_cpu_kernel
+
+    @property
+    def sink_logits(self) -> torch.Tensor | None:
+        """The sinks as the C++ kernels take them, float32 (the torch path's softmax dtype); None: no sinks."""
+        return None if self.sinks is None else self.sinks.detach().float().contiguous()
 
     @property
     def _plain_scores(self) -> bool:
@@ -357,7 +363,6 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Decodes and prompt chunks in one batch (each chunk after its cached context)."""
-        # A layer with sinks skips the C++ kernels (they do not take sinks yet): the torch path below.
         if self.cpu_kernels_apply and query.device.type == "cpu":
             if batch_invariant() and cpu_kernels() is not None:  # each row as a decode (meta.per_row)
                 out = self._decode(query, kv_cache, meta.per_row)
@@ -407,14 +412,17 @@ class PagedAttention(nn.Module):
         and short chunks after a cached context, AMX_KERNEL the prompt chunks the tile kernel serves
         where it runs for this query and cache (see ``_amx_chunks``). ``sdpa`` lists the
         sequences left to torch's fused SDPA (its flash kernel multiplies bfloat16 natively: ~5x our
-        chunked kernel for a 448-token bfloat16 prompt, ~2x in float32). The Python path and the C++
-        decoder loop (models/layer_stack.py) both follow this plan."""
+        chunked kernel for a 448-token bfloat16 prompt, ~2x in float32). SDPA takes neither a soft cap
+        nor sinks: such a layer leaves it nothing, the chunks the tiles do not take go to the chunked
+        kernel. The Python path and the C++ decoder loop (models/layer_stack.py) both follow this plan."""
         sdpa, rest = ((), ()) if self.logits_soft_cap is not None else meta.sdpa_split(self.sliding_window)
         if not sdpa:
             return [(CHUNKED_KERNEL, meta)], ()
         tiled = self._amx_chunks(meta, sdpa) if prompt_attention_amx_supported(query, cache) else ()
         if len(tiled) == meta.num_seqs:  # prompts only, all on tiles
             return [(AMX_KERNEL, meta)], ()
+        if self.sinks is not None and not tiled:  # with sinks the tiles take every chunk of sdpa, or none
+            return [(CHUNKED_KERNEL, meta)], ()
         parts = []
         if tiled:
             parts.append((AMX_KERNEL, meta.sub_batch(tiled)))
@@ -450,18 +458,21 @@ class PagedAttention(nn.Module):
         if kernel == AMX_KERNEL:
             return prompt_attention_amx(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
-                self.scale,
+                self.scale, self.sink_logits,
             )
         return paged_chunked_attention(
             query, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc_tensor, meta.context_lens,
-            self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0,
+            self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0, self.sink_logits,
         )
 
     def _amx_chunks(self, meta: AttentionMetadata, chunks: tuple[int, ...]) -> tuple[int, ...]:
         """The prompt chunks of ``chunks`` (sequences without a window narrower than their span)
-        that the AMX kernel serves: up to ``AMX_MAX_CHUNK_PAIRS``."""
+        that the AMX kernel serves: up to ``AMX_MAX_CHUNK_PAIRS``, where SDPA takes over; all of them
+        with sinks, which SDPA does not take (the chunked kernel, the alternative, is slower)."""
         if not chunks or self.logits_soft_cap is not None:
             return ()
+        if self.sinks is not None:
+            return chunks
         return tuple(
             i for i in chunks
             if meta.query_lens[i] * (meta.num_cached_tokens[i] + meta.query_lens[i]) <= AMX_MAX_CHUNK_PAIRS
@@ -489,10 +500,10 @@ class PagedAttention(nn.Module):
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query per sequence, attending over its blocks (the last W positions with a window)."""
-        if self.cpu_kernels_apply:  # not with sinks: the C++ decode kernel does not take them yet
+        if self.cpu_kernels_apply:
             out = paged_decode_attention(
                 query, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, self.scale,
-                self.sliding_window or 0, self.logits_soft_cap or 0.0,
+                self.sliding_window or 0, self.logits_soft_cap or 0.0, self.sink_logits,
             )
             if out is not None:
                 return out

@@ -8,10 +8,16 @@ import torch
 
 from pagedllm.kernels.dispatch import cpu_kernels
 
+# What the kernels take for "no sinks".
+_NO_SINKS = torch.empty(0)
 
 def _module_for(tensor: torch.Tensor):
     """The kernels' module when ``tensor`` is on the CPU and they are built, else None."""
     return cpu_kernels() if tensor.device.type == "cpu" else None
+
+
+def _sinks_arg(sinks: torch.Tensor | None) -> torch.Tensor:
+    return _NO_SINKS if sinks is None else sinks
 
 
 def paged_decode_attention(
@@ -23,17 +29,20 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """[B, Hq, D] attention output, or None when the kernel cannot serve this call. The caches hold
     rows in the query's dtype or a quantized format (attention/kv_quant.py), decoded as read.
 
     ``sliding_window`` > 0: only each sequence's last that many positions are attended;
-    ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax."""
+    ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax;
+    ``sinks`` (float32 [Hq], GPT-OSS): per query head a logit that joins the softmax after the soft cap,
+    in its max and denominator, with no value."""
     module = _module_for(query)
     if module is None:
         return None
     return module.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap
+        query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logits_soft_cap, _sinks_arg(sinks)
     )
 
 
@@ -47,16 +56,18 @@ def paged_chunked_attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """[T, Hq, D] causal attention of every query token over its sequence's cached context and
     itself (the step's K/V already written), or None when the kernel cannot serve this call.
 
-    ``sliding_window`` and ``logits_soft_cap`` as in ``paged_decode_attention`` (0: off)."""
+    ``sliding_window``, ``logits_soft_cap`` and ``sinks`` as in ``paged_decode_attention`` (0, None: off)."""
     module = _module_for(query)
     if module is None:
         return None
     return module.paged_chunked_attention(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, logits_soft_cap
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, logits_soft_cap,
+        _sinks_arg(sinks),
     )
 
 
@@ -80,12 +91,13 @@ def prompt_attention_amx(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, Hq, D] causal attention of prompt chunks over their cached context and themselves (the
     step's keys and values already written), on AMX tiles; only where
-    ``prompt_attention_amx_supported``."""
+    ``prompt_attention_amx_supported``. ``sinks`` as in ``paged_decode_attention``."""
     return cpu_kernels().prompt_attention_amx(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, _sinks_arg(sinks)
     )
 
 

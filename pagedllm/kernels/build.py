@@ -60,7 +60,8 @@ _SOURCE_NAMES = (
         "bindings.cpp",
 )
 _HEADER_NAMES = (
-    "quant_formats.h", "kv_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h", "kernels.h", "branches.h"
+    "quant_formats.h", "kv_formats.h", "vec_math.h", "amx_tiles.h", "work_order.h", "kernels.h", "branches.h",
+    "attention_sinks.h",
 )
 
 

@@ -3,8 +3,9 @@ for the C++ layer loop: its program.
 
 A program names the layer's wiring (norms before each block, Gemma's sandwich, OLMo 2's norms
 after each block, the parallel block), its norms and their tensors, its q/k norms, which rope
-table it rotates with, its attention (window, soft cap, sinks), its MLP and activation, its residual
-multiplier and its linear layers as row segments with their kernels. The C++ layer loop
+table it rotates with, its attention (window, soft cap; the sinks and key offset models/layer_stack.py
+reads off the attention at each step), its MLP and activation, its residual multiplier and its
+linear layers as row segments with their kernels. The C++ layer loop
 (kernels/csrc/layer_stack_cpu.cpp) runs programs; ``gaps`` lists the ops of a program the loop
 has no kernel for, so whether a model runs there is computed, never kept by hand, and the engine
 can say why not.
@@ -146,8 +147,6 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
     if dtype not in _KERNEL_DTYPES:
         gaps.append(f"the model's dtype {dtype} (the fused kernels take float32 or bfloat16)")
     paged = attn.attn
-    if paged.sinks is not None:
-        gaps.append("attention sinks (the C++ attention kernels do not take them)")
     if not paged.use_cpu_kernel:
         gaps.append("attention: the C++ kernels switched off for this layer")
     if isinstance(mlp, GatedMLP):

@@ -8,9 +8,10 @@ step, and as much of a short prompt's step. The C++ loop calls the same kernels 
 arguments in the same order, so its outputs equal the Python layers' bit for bit. Attention follows
 the step's plan (``PagedAttention.cpu_plan``); steps whose plan gives a sequence to torch's SDPA
 (float32 prompts), or splits the batch into scattered rows, stay on the Python layers. A model
-whose programs have gaps (``layer_program.gaps``: ops with no loop kernel, such as attention
-sinks, mixtures of experts, tensor-parallel shards or weights multiplied by torch or oneDNN)
-stays on the Python layers for every step, and ``stack_report`` says why. Weights may be our
+whose programs have gaps (``layer_program.gaps``: ops with no loop kernel, such as mixtures of
+experts, tensor-parallel shards or weights multiplied by torch or oneDNN) stays on the Python layers
+for every step, and ``stack_report`` says why. Attention sinks (GPT-OSS) go to the attention kernels
+with each layer's tensors. Weights may be our
 float panels or quantized rows (int8 tiles, packed blocks, float segments, mixed within a layer as
 GGUF files mix them). ``PAGEDLLM_LAYER_STACK=0`` turns it off.
 """
@@ -48,10 +49,10 @@ class LayerStack:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.intermediate_size, self.eps = (
             programs[0].shape)
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
-        soft_caps = {layer.self_attn.attn.logits_soft_cap for layer in model.layers}
-        # The first layer's attention plans every layer's step: the plan depends only on the window
-        # and the soft cap.
-        self.planner = first.attn if len(set(self.windows)) == 1 and len(soft_caps) == 1 else None
+        scores = {(layer.self_attn.attn.logits_soft_cap, layer.self_attn.attn.sinks is None) for layer in model.layers}
+        # The first layer's attention plans every layer's step: the plan depends only on the window,
+        # the soft cap and whether there are sinks.
+        self.planner = first.attn if len(set(self.windows)) == 1 and len(scores) == 1 else None
         self.rope_keys = list(model.rotary)
         self.layer_codes = [code for program in programs for code in program.codes]
         self.layer_scalars = [value for program in programs for value in program.scalars]
@@ -112,7 +113,9 @@ class LayerStack:
         tensors = []
         for norms, attn, (k_cache, v_cache) in zip(self.norm_tensors, self.attentions, kv_caches, strict=True):
             tensors += norms
-            tensors += (k_cache, v_cache, _EMPTY if attn.key_offset is None else attn.key_offset)
+            sinks = attn.sink_logits
+            tensors += (k_cache, v_cache, _EMPTY if attn.key_offset is None else attn.key_offset,
+                        _EMPTY if sinks is None else sinks)
         rope_tensors = []
         for key in self.rope_keys:
             cos, sin = ropes[key]

@@ -21,7 +21,9 @@
 // A sliding window W lets the query at position p see keys p - W + 1 .. p only: the tile's walk
 // starts at its first row's first key, so keys before it (blocks the block manager may have
 // released) are never touched. A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c)
-// before the softmax.
+// before the softmax. Attention sinks (GPT-OSS): each lane's online softmax starts from its query
+// head's sink logit as a score already seen (running max the sink, running sum exp(0) = 1) with no
+// value, so the sink sits in the max and the denominator as PagedAttention._attend puts it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "work_order.h"
+#include "attention_sinks.h"
 #include "branches.h"
 #include "kv_formats.h"
 
@@ -55,6 +58,7 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
                   const typename Format::storage_t* __restrict__ k_cache,  // [N, bs, Hkv, row]
                   const typename Format::storage_t* __restrict__ v_cache,  // [N, bs, Hkv, row]
                   const int64_t* __restrict__ block_tables,  // [B, max_blocks]
+                  const float* __restrict__ sinks,           // [Hq] sink logits, or nullptr: none
                   scalar_t* __restrict__ out,                // [T, Hq, D]
                   const std::vector<WorkItem>& items, int64_t num_heads, int64_t num_kv_heads,
                   int64_t runtime_head_dim, int64_t block_size, int64_t max_blocks, float scale,
@@ -99,8 +103,15 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
         }
         std::fill(qf.begin() + lanes * head_dim, qf.begin() + padded * head_dim, 0.f);
         std::fill(acc.begin(), acc.begin() + padded * head_dim, 0.f);
-        std::fill(running_max.begin(), running_max.end(), kMasked);
-        std::fill(running_sum.begin(), running_sum.end(), 0.f);
+        if (sinks != nullptr) {
+          for (int64_t lane = 0; lane < lanes; ++lane) {
+            running_max[lane] = sinks[g * group + lane % group];
+            running_sum[lane] = 1.f;
+          }
+        } else {
+          std::fill(running_max.begin(), running_max.end(), kMasked);
+          std::fill(running_sum.begin(), running_sum.end(), 0.f);
+        }
         for (int64_t start = first_key; start < length; start += KC) {
           const int64_t n = std::min(KC, length - start);
           for (int64_t j = 0; j < n; ++j) {
@@ -193,14 +204,14 @@ void chunk_kernel(const scalar_t* __restrict__ q,            // [T, Hq, D]
 
 template <typename scalar_t, typename Format>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, at::Tensor& out, const std::vector<WorkItem>& items,
-                       float scale, int64_t sliding_window, float soft_cap) {
+                       const at::Tensor& block_tables, const float* sinks, at::Tensor& out,
+                       const std::vector<WorkItem>& items, float scale, int64_t sliding_window, float soft_cap) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
     chunk_kernel<scalar_t, Format, decltype(head_dim_constant)::value>(
         query.data_ptr<scalar_t>(), pagedllm::kv::rows_of<Format>(k_cache), pagedllm::kv::rows_of<Format>(v_cache),
-        block_tables.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), items, num_heads, num_kv_heads, head_dim,
+        block_tables.data_ptr<int64_t>(), sinks, out.data_ptr<scalar_t>(), items, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
   switch (head_dim) {
@@ -215,7 +226,7 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const
 at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                       at::Tensor block_tables, at::Tensor query_start_loc,
                                       at::Tensor context_lens, double scale, int64_t sliding_window,
-                                      double logits_soft_cap) {
+                                      double logits_soft_cap, at::Tensor sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -245,11 +256,12 @@ at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Ten
     }
   }
   pagedllm::interleave_by_position(items);  // a tile's cost grows with its position
+  const float* sink_logits = pagedllm::sink_logits(sinks, query.size(1));
   auto out = at::empty_like(query);
   pagedllm::count_run(pagedllm::Kernel::kChunkedAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_chunked_attention", [&] {
     pagedllm::kv::dispatch_format<scalar_t>(k_cache, query.size(2), "paged_chunked_attention", [&](auto format) {
-      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, out, items,
+      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, sink_logits, out, items,
                                                     static_cast<float>(scale), sliding_window,
                                                     static_cast<float>(logits_soft_cap));
     });

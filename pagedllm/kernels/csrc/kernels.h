@@ -33,17 +33,18 @@ enum QkNorm : int64_t { kNoQkNorm = 0, kQkHead = 1, kQkProjection = 2, kQkHeads 
 enum Mlp : int64_t { kGatedMlp = 0, kPlainMlp = 1 };
 }  // namespace stack_codes
 
+// The attention kernels' `sinks`: float32 [Hq] sink logits (GPT-OSS), or an empty tensor for none.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens, double scale,
-                                     int64_t sliding_window, double logits_soft_cap);
+                                     int64_t sliding_window, double logits_soft_cap, at::Tensor sinks);
 at::Tensor paged_chunked_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                       at::Tensor block_tables, at::Tensor query_start_loc,
                                       at::Tensor context_lens, double scale, int64_t sliding_window,
-                                      double logits_soft_cap);
+                                      double logits_soft_cap, at::Tensor sinks);
 bool prompt_attention_amx_supported(int64_t head_dim);
 at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                    at::Tensor block_tables, at::Tensor query_start_loc,
-                                   at::Tensor context_lens, double scale);
+                                   at::Tensor context_lens, double scale, at::Tensor sinks);
 std::tuple<at::Tensor, at::Tensor> greedy_pick(at::Tensor logits);
 void apply_token_bitmask_cpu(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows);
 at::Tensor dequantize_rows(at::Tensor qweight, int64_t format, int64_t k, c10::optional<at::Tensor> rows);

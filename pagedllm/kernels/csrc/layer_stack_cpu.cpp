@@ -12,7 +12,8 @@
 // `layer_scalars`: the residual multiplier (0: none) and the attention soft cap (0: none);
 // kLayerTensors tensors in `layer_tensors`: the weight and bias of the input, post-attention,
 // pre-feedforward and post-feedforward norms, of the q norm and of the k norm (an empty tensor: not
-// there), then k_cache, v_cache and the key offset a quantized cache subtracts (empty: none).
+// there), then k_cache, v_cache, the key offset a quantized cache subtracts (empty: none) and the
+// attention's float32 sink logits, one per query head (empty: none).
 // Per layer, 4 linear layers in order (qkv, o, up, down: a gated MLP's gate_up and down, a plain
 // one's fc and proj), each described in `linear_specs` as its number of row segments, then per
 // segment (kind, format, rows); each segment takes 2 tensors of `linear_tensors`, its weight and its
@@ -33,7 +34,7 @@ namespace {
 
 constexpr int64_t kLayerCodes = 8;
 constexpr int64_t kLayerScalars = 2;
-constexpr int64_t kLayerTensors = 15;
+constexpr int64_t kLayerTensors = 16;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
 using namespace stack_codes;
@@ -168,12 +169,14 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
 }
 
 at::Tensor attend(const Part& part, const at::Tensor& query, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, double scale, int64_t window, double soft_cap) {
+                     const at::Tensor& v_cache, double scale, int64_t window, double soft_cap,
+                     const at::Tensor& sinks) {
   const at::Tensor* t = part.tensors;
   switch (part.kernel) {
-    case kDecode: return paged_decode_attention(query, k_cache, v_cache, t[0], t[2], scale, window, soft_cap);
-    case kAmx: return prompt_attention_amx(query, k_cache, v_cache, t[0], t[1], t[2], scale);
-    default: return paged_chunked_attention(query, k_cache, v_cache, t[0], t[1], t[2], scale, window, soft_cap);
+    case kDecode: return paged_decode_attention(query, k_cache, v_cache, t[0], t[2], scale, window, soft_cap, sinks);
+    case kAmx: return prompt_attention_amx(query, k_cache, v_cache, t[0], t[1], t[2], scale, sinks);
+    default:
+      return paged_chunked_attention(query, k_cache, v_cache, t[0], t[1], t[2], scale, window, soft_cap, sinks);
   }
 }
 
@@ -231,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
     const at::Tensor* t = layer_tensors.data() + i * kLayerTensors;
     const Norm input_norm{norm_kind, t}, post_attn_norm{norm_kind, t + 2}, pre_ff_norm{norm_kind, t + 4},
         post_ff_norm{norm_kind, t + 6}, q_norm{qk_kind, t + 8}, k_norm{qk_kind, t + 10};
-    const at::Tensor &k_cache = t[12], &v_cache = t[13];
+    const at::Tensor &k_cache = t[12], &v_cache = t[13], &sinks = t[15];
     const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, up, down
 
     // Attention over `x` (DecoderAttention.forward): qkv, q/k norms, rope, cache write, attention, o.
@@ -271,13 +274,13 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
                      t[14].numel() ? c10::optional<at::Tensor>(t[14]) : c10::nullopt);
       at::Tensor attended;
       if (whole) {
-        attended = attend(parts[0], query, k_cache, v_cache, scale, window, soft_cap);
+        attended = attend(parts[0], query, k_cache, v_cache, scale, window, soft_cap, sinks);
       } else {
         attended = at::empty({tokens, num_heads, head_dim}, query.options());
         for (const Part& part : parts) {
           attended.narrow(0, part.begin, part.end - part.begin)
               .copy_(attend(part, query.narrow(0, part.begin, part.end - part.begin), k_cache, v_cache, scale,
-                            window, soft_cap));
+                            window, soft_cap, sinks));
         }
       }
       return project(linear[1], attended.reshape({tokens, q_size}), thresholds);

@@ -17,6 +17,8 @@
 // A sliding window W limits each query to its sequence's last W positions: the walk starts at
 // position length - W, so blocks before it are never touched (the block manager may have freed
 // them). A soft cap c (Gemma 2) replaces each score s by c * tanh(s / c) before the softmax.
+// Attention sinks (GPT-OSS): a logit per query head joins the softmax as one more score after the
+// soft cap, in the max and the denominator, with no value (as PagedAttention._attend computes it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +26,7 @@
 #include <cmath>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "branches.h"
 #include "kv_formats.h"
 
@@ -196,12 +199,13 @@ inline void group_axpys4_avx512(const float* __restrict__ p, const kv_t<Format>*
 
 // One head's scores -> exp(score - max) in place; returns their sum. exp16 instead of the
 // compiler's libmvec call: with bfloat16 caches the kernel is bound by arithmetic, and the
-// exponentials were a large share of it.
-inline float exp_and_sum(float* __restrict__ s, int64_t length) {
+// exponentials were a large share of it. `sink` (-inf: none) is one more score in the max and the
+// sum, its exponential stored nowhere; exp(-inf) adds an exact 0.
+inline float exp_and_sum(float* __restrict__ s, int64_t length, float sink) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + 16 <= length; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
-  float max_score = _mm512_reduce_max_ps(top);
+  float max_score = std::max(_mm512_reduce_max_ps(top), sink);
   for (; t < length; ++t) max_score = std::max(max_score, s[t]);
   const __m512 shift = _mm512_set1_ps(max_score);
   __m512 sum = _mm512_setzero_ps();
@@ -216,7 +220,7 @@ inline float exp_and_sum(float* __restrict__ s, int64_t length) {
     _mm512_mask_storeu_ps(s + t, rest, e);
     sum = _mm512_mask_add_ps(sum, rest, sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  return _mm512_reduce_add_ps(sum) + std::exp(sink - max_score);
 }
 #endif
 
@@ -298,6 +302,7 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
                    const kv_t<Format>* __restrict__ v_cache,    // [N, bs, Hkv, row]
                    const int64_t* __restrict__ block_tables,  // [B, max_blocks]
                    const int64_t* __restrict__ context_lens,  // [B]
+                   const float* __restrict__ sinks,           // [Hq] sink logits, or nullptr: none
                    scalar_t* __restrict__ out,                // [B, Hq, D]
                    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim,
                    int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
@@ -361,10 +366,11 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
       // per score).
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * length;
+        const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
 #if defined(__AVX512F__)
-        inv_sum[h] = 1.f / exp_and_sum(s, length);
+        inv_sum[h] = 1.f / exp_and_sum(s, length, sink);
 #else
-        const float max_score = *std::max_element(s, s + length);
+        const float max_score = std::max(*std::max_element(s, s + length), sink);
         float sum = 0.f;
         // simd: lets the compiler use libmvec's vector exp instead of one expf per token.
 #pragma omp simd reduction(+ : sum)
@@ -372,7 +378,7 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
           s[t] = std::exp(s[t] - max_score);
           sum += s[t];
         }
-        inv_sum[h] = 1.f / sum;
+        inv_sum[h] = 1.f / (sum + std::exp(sink - max_score));
 #endif
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -415,14 +421,14 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
 
 template <typename scalar_t, typename Format>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
-                       float scale, int64_t sliding_window, float soft_cap) {
+                       const at::Tensor& block_tables, const at::Tensor& context_lens, const float* sinks,
+                       at::Tensor& out, float scale, int64_t sliding_window, float soft_cap) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto run = [&](auto head_dim_constant) {
     decode_kernel<scalar_t, Format, decltype(head_dim_constant)::value>(
         query.data_ptr<scalar_t>(), pagedllm::kv::rows_of<Format>(k_cache), pagedllm::kv::rows_of<Format>(v_cache),
-        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
+        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), sinks, out.data_ptr<scalar_t>(), batch,
         num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), scale, sliding_window, soft_cap);
   };
   switch (head_dim) {
@@ -437,7 +443,7 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens, double scale,
-                                     int64_t sliding_window, double logits_soft_cap) {
+                                     int64_t sliding_window, double logits_soft_cap, at::Tensor sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -450,12 +456,13 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
+  const float* sink_logits = pagedllm::sink_logits(sinks, query.size(1));
   auto out = at::empty_like(query);
   pagedllm::count_run(pagedllm::Kernel::kDecodeAttention);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
     pagedllm::kv::dispatch_format<scalar_t>(k_cache, query.size(2), "paged_decode_attention", [&](auto format) {
-      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, context_lens, out,
-                                                    static_cast<float>(scale), sliding_window,
+      dispatch_head_dim<scalar_t, decltype(format)>(query, k_cache, v_cache, block_tables, context_lens,
+                                                    sink_logits, out, static_cast<float>(scale), sliding_window,
                                                     static_cast<float>(logits_soft_cap));
     });
   });

@@ -21,7 +21,10 @@
 // (float32 sums), then per row a running max and sum in float32 (flash attention's online
 // softmax), P rounded to bfloat16 into two A tiles, P V on tiles, added to the float32
 // accumulator rescaled by the change of the row's max. Keys past a row's position get P = 0
-// exactly. Head sizes: multiples of 64 (four output tiles of 16 per pass).
+// exactly. Head sizes: multiples of 64 (four output tiles of 16 per pass). Attention sinks
+// (GPT-OSS): each row's online softmax starts from its query head's sink logit as a score already
+// seen (running max the sink, running sum 1) with no value, the sink in the max and the denominator
+// as PagedAttention._attend puts it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -35,6 +38,7 @@
 #include "amx_tiles.h"
 #include "vec_math.h"
 #include "work_order.h"
+#include "attention_sinks.h"
 #include "branches.h"
 #include "kv_formats.h"
 
@@ -185,7 +189,8 @@ void rotate_query(const uint16_t* q, int64_t head_dim, uint16_t* out) {
 }
 
 void attend_item(const Item& item, int64_t group, const uint16_t* query, int64_t q_stride, const uint32_t* keys,
-                 const uint16_t* values, int64_t head_dim, float scale, bool rotated, uint16_t* out, Scratch& s) {
+                 const uint16_t* values, int64_t head_dim, float scale, const float* sinks, bool rotated,
+                 uint16_t* out, Scratch& s) {
   const int64_t tile_elems = kRows * head_dim;
   std::fill(s.q.begin(), s.q.end(), 0);
   for (int64_t h = 0; h < group; ++h) {
@@ -201,8 +206,17 @@ void attend_item(const Item& item, int64_t group, const uint16_t* query, int64_t
     }
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  std::fill(s.row_max.begin(), s.row_max.end(), kMasked);
-  std::fill(s.row_sum.begin(), s.row_sum.end(), _mm512_setzero_ps());
+  if (sinks != nullptr) {
+    // The sink's exp(0) in the first of each row's 16 partial sums.
+    const __m512 one = _mm512_maskz_mov_ps(__mmask16(1), _mm512_set1_ps(1.f));
+    for (int64_t h = 0; h < group; ++h) {
+      std::fill_n(s.row_max.begin() + h * kRows, kRows, sinks[item.kv_head * group + h]);
+      std::fill_n(s.row_sum.begin() + h * kRows, kRows, one);
+    }
+  } else {
+    std::fill(s.row_max.begin(), s.row_max.end(), kMasked);
+    std::fill(s.row_sum.begin(), s.row_sum.end(), _mm512_setzero_ps());
+  }
   const int64_t last_pos = item.first_pos + item.num_rows - 1;
   const int64_t words = head_dim / 2;
   const __m512 scale_v = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
@@ -300,7 +314,7 @@ bool prompt_attention_amx_supported(int64_t head_dim) {
 
 at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                    at::Tensor block_tables, at::Tensor query_start_loc,
-                                   at::Tensor context_lens, double scale) {
+                                   at::Tensor context_lens, double scale, at::Tensor sinks) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "query must be [T, Hq, D], the caches [N, block_size, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16, "prompt_attention_amx takes bfloat16 queries");
@@ -323,6 +337,7 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
   auto out = at::empty_like(query);
   pagedllm::count_run(pagedllm::Kernel::kPromptAttentionAmx);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  const float* sink_logits = pagedllm::sink_logits(sinks, num_heads);
   const int64_t* starts = query_start_loc.contiguous().data_ptr<int64_t>();
   const int64_t* lens = context_lens.contiguous().data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -373,7 +388,7 @@ at::Tensor prompt_attention_amx(at::Tensor query, at::Tensor k_cache, at::Tensor
       const int64_t padded = (lens[item.seq] + kKeys - 1) / kKeys * kKeys;
       const int64_t offset = offsets[item.seq] + item.kv_head * padded * head_dim;
       attend_item(item, group, q_data, q_stride, reinterpret_cast<const uint32_t*>(keys.get() + offset),
-                  values.get() + offset, head_dim, static_cast<float>(scale), rotated, o_data, scratch);
+                  values.get() + offset, head_dim, static_cast<float>(scale), sink_logits, rotated, o_data, scratch);
     }
     _tile_release();
   });
