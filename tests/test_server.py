@@ -608,6 +608,8 @@ def test_sigterm_stops_cleanly_with_streams_in_flight(model_dir):
         assert process.wait(timeout=20) == 0
         log = process.stdout.read()
         assert '"POST /v1/completions" 200' in log  # one line per request
+        # The start-up line says where the model's layers run (engine.layer_placement).
+        assert re.search(rf"Serving {MODEL} on http://127.0.0.1:{port}; layers: (C\+\+ layer loop|Python layers)", log)
     finally:
         if process.poll() is None:
             process.kill()

@@ -75,6 +75,7 @@ class EngineReplica:
             "kv_cache_info": dict(engine.kv_cache_info),
             "max_seq_len": engine.max_seq_len,
             "supported_tasks": engine.supported_tasks,
+            "layer_placement": engine.layer_placement,
             "pid": os.getpid(),
             "tensor_parallel_placement": self._placement(),
         }

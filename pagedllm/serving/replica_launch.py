@@ -33,6 +33,8 @@ class EngineShell:
     max_seq_len: int
     # ("generate",) or ("embed",): what the replicas' runner serves.
     supported_tasks: tuple[str, ...] = ("generate",)
+    # Where the first replica's layers run (the replicas load the same model the same way).
+    layer_placement: str = ""
 
 
 def start_replicas(
@@ -98,6 +100,7 @@ def start_replicas(
         structured_outputs=StructuredOutputManager(tokenizer, model_config.hf_config.vocab_size),
         kv_cache_info=first["kv_cache_info"], max_seq_len=min(d["max_seq_len"] for d in described),
         supported_tasks=tuple(first["supported_tasks"]),
+        layer_placement=first["layer_placement"],
     )
     return shell, actors, groups, owns_ray
 

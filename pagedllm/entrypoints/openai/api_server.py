@@ -326,7 +326,8 @@ def run_server(settings: ServerSettings, sock: socket.socket | None = None) -> N
     server = _Server(config, app.state.async_engine)
     servers.append(server)
     name = (settings.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME])[0]
-    logger.info("Serving %s on http://%s:%d", name, settings.host, settings.port)
+    logger.info("Serving %s on http://%s:%d; layers: %s", name, settings.host, settings.port,
+                app.state.async_engine.engine.layer_placement)
     server.run(sockets=[sock] if sock is not None else None)
     if app.state.async_engine.dead_error is not None:
         raise SystemExit(1)
