@@ -84,8 +84,8 @@ def test_default_model_answers_do_not_depend_on_the_batch():
 
 @pytest.fixture(scope="module")
 def sinks_and_latent_models(tmp_path_factory) -> dict[str, str]:
-    """Tiny random GPT-OSS (attention sinks: the torch attention path) and DeepSeek-V3 (latent
-    attention, grouped sigmoid routing) folders."""
+    """Tiny random GPT-OSS (attention sinks, in the C++ attention kernels) and DeepSeek-V3 (latent
+    attention on the torch path, grouped sigmoid routing) folders."""
     from conftest import train_tokenizer
     from test_deepseek_v3 import save_deepseek
     from test_gpt_oss import random_gpt_oss
@@ -98,12 +98,19 @@ def sinks_and_latent_models(tmp_path_factory) -> dict[str, str]:
     return {"gpt-oss": gpt_oss, "deepseek-v3": deepseek}
 
 
-@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
-def test_sinks_and_latent_attention_answers_do_not_depend_on_the_batch(sinks_and_latent_models, family):
-    """Their decodes attend one sequence at a time over its own context (no padding to the batch's
-    longest) and routers multiply each row alone-equal, so a request's tokens and logprobs are the
-    same bits alone and among others of other lengths, for prompts run whole. (How a prompt is split
-    into chunks still moves their last bits: kernels/invariance.py.)"""
+def test_sinks_answers_do_not_depend_on_the_batch_nor_the_chunks(sinks_and_latent_models):
+    """GPT-OSS: every attention row, sinks included, through the decode kernel, and routers that
+    multiply each row alone-equal: the same bits alone and in batches, with prompts whole or in
+    chunks, and after a prefix-cache hit."""
+    _check_invariance(sinks_and_latent_models["gpt-oss"], "float32", (1, 3, 8))
+
+
+def test_latent_attention_answers_do_not_depend_on_the_batch(sinks_and_latent_models):
+    """DeepSeek-V3: decodes attend one sequence at a time over its own context (no padding to the
+    batch's longest) and routers multiply each row alone-equal, so a request's tokens and logprobs are
+    the same bits alone and among others of other lengths, for prompts run whole. (How a prompt is
+    split into chunks still moves their last bits: kernels/invariance.py.)"""
+    family = "deepseek-v3"
     llm = _engine(sinks_and_latent_models[family], "float32", None, prefix=False)
     vocab = llm.llm_engine.vocab_size
     target = [random.Random(3).randrange(4, vocab) for _ in range(PROMPT_LEN)]

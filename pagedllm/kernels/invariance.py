@@ -7,21 +7,22 @@ Each CPU kernel whose arithmetic depended on the step's row counts computes ever
 
 - Attention: every query row, a decode or a prompt token, goes through the decode kernel as a
   one-token query over its own context (``AttentionMetadata.per_row``): one softmax over that
-  row's keys in one order. Mixed steps used to send decodes through the chunked kernel (another
-  summation order) and prompt chunks to torch's SDPA or the AMX tile kernel by chunk length.
+  row's keys in one order, a layer's sink logits (GPT-OSS) in it too. Mixed steps used to send
+  decodes through the chunked kernel (another summation order) and prompt chunks to torch's SDPA or
+  the AMX tile kernel by chunk length.
 - Packed quantized weights with float activations (``quant_linear``): one per-row summation order
   at every row count, where 1-4 rows, 5-48 rows and more each took a kernel of their own.
 - int8 activations: no switch to AMX bfloat16 products from ``int8_amx_min_rows`` rows on.
 - bfloat16 weights: our panel kernel wherever this level has it, rather than oneDNN (whose
   products of one row differ from the same row among others for some shapes).
 
-- Decodes on the torch attention path on a CPU (layers with attention sinks, GPT-OSS, which the C++
-  kernels do not take; any layer without the kernels) and multi-head latent attention's decodes
-  (DeepSeek-V3, attention/mla.py): one sequence at a time over its own context, where padding every
-  context to the batch's longest changed a row's sums. With 64 decodes over ~1,000 tokens this is
-  faster for a GPT-OSS-20B-shaped sinks layer (0.20 s vs 0.95 s per layer on a 2-core EPYC: the
-  padded gather was the cost) and slower for a DeepSeek-V3-shaped latent layer (0.42 s vs 0.26 s;
-  8 decodes 78 vs 42 ms).
+- Decodes on the torch attention path on a CPU (a layer with the kernels switched off, or none
+  built) and multi-head latent attention's decodes (DeepSeek-V3, attention/mla.py): one sequence
+  at a time over its own context, where padding every context to the batch's longest changed a
+  row's sums. With 64 decodes over ~1,000 tokens this was faster for a GPT-OSS-20B-shaped sinks
+  layer on the torch path (0.20 s vs 0.95 s per layer on a 2-core EPYC: the padded gather was the
+  cost; sinks layers now take the decode kernel) and slower for a DeepSeek-V3-shaped latent layer
+  (0.42 s vs 0.26 s; 8 decodes 78 vs 42 ms).
 - MoE routers (GPT-OSS, Qwen-MoE, DeepSeek), plain float linears kept out of packing: through the
   panel kernel (layers/cpu_gemm.py ``row_invariant_linear``); DeepSeek's router sigmoid in float64.
 
