@@ -12,7 +12,7 @@ from requirements_here import require_kernels
 from test_sharing import BS, _mixed_params, _random_prompts, _token_ids, run_and_watch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import use_kernel_config
+from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.models.layer_stack import LayerStack
 
 KV_DTYPES = ["int8", "fp8", "int4"]
@@ -126,6 +126,25 @@ def test_cpu_kernels_equal_the_torch_path(llama_dir, kv_cache_dtype: str) -> Non
         torch.testing.assert_close(got, expected, atol=5e-2, rtol=0)
         assert (got - expected).abs().mean() < (5e-3 if kv_cache_dtype == "int4" else 2e-3)
 
+
+
+@pytest.mark.kernels(level="amx")
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_bfloat16_prompts_on_amx_tiles_over_a_quantized_cache(llama_dir, kv_cache_dtype: str) -> None:
+    """bfloat16 prompts with kernels chosen by row counts go to the AMX tile kernel, which reads the
+    quantized rows as bfloat16 in their rotated basis: its teacher-forced log-probabilities against
+    the batch-invariant path's (every row through the decode kernel, decoding in float32). bfloat16
+    rounding moves them here by 0.04 on average for int8 and 0.08 for int4 (0.7 at most); a score
+    off by a factor of two (a wrong shift) or a misrotated query, by 0.7 or 2 on average, 5 or 10 at most."""
+    prompts = _random_prompts([40, 70, 130], seed=8)
+    settings = dict(model=llama_dir, num_kv_blocks=256, block_size=BS, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    tiled_runs = cpu_kernels().kernel_branches()["prompt_attention_amx"][1]
+    with use_kernel_config(batch_invariant=False):
+        tiled = _prompt_logprobs(LLM(**settings), prompts)
+    assert cpu_kernels().kernel_branches()["prompt_attention_amx"][1] > tiled_runs
+    per_row = _prompt_logprobs(LLM(**settings), prompts)
+    difference = torch.cat([(a - b).abs() for a, b in zip(tiled, per_row, strict=True)])
+    assert difference.max() < 1.5 and difference.mean() < 0.2
 
 def test_batch_invariance_holds_over_a_quantized_cache(llama_dir) -> None:
     prompt = _random_prompts([33], seed=11)[0]

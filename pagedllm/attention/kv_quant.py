@@ -126,8 +126,9 @@ def quantize_rows(x: torch.Tensor, fmt: KVCacheFormat, offset: torch.Tensor | No
     return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], -1).view(storage)
 
 
-def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """[..., row_bytes] rows of a quantized cache -> [..., head_dim] values in ``dtype``."""
+def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype, rotated: bool = False) -> torch.Tensor:
+    """[..., row_bytes] rows of a quantized cache -> [..., head_dim] values in ``dtype``; with
+    ``rotated``, the values as stored (H x 2^-w), in the basis the kernels attend in."""
     fmt = cache_format(rows)
     data = rows.view(torch.uint8)
     if fmt.bits == 4:
@@ -135,11 +136,13 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> to
         packed = data[..., : head_dim // 2].unflatten(-1, (groups, 16))
         q = torch.cat([packed & 0xF, packed >> 4], -1).float()  # [..., G, 32]
         params = data[..., head_dim // 2 :].contiguous().view(torch.float16).unflatten(-1, (groups, 2)).float()
-        rotated = (q * params[..., 0:1] + params[..., 1:2]).flatten(-2)
+        stored = (q * params[..., 0:1] + params[..., 1:2]).flatten(-2)
     else:
         values = data[..., :head_dim].view(storage_dtype(fmt)).float()
-        rotated = values * data[..., head_dim:].contiguous().view(torch.float16).float()
-    return (hadamard(rotated) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
+        stored = values * data[..., head_dim:].contiguous().view(torch.float16).float()
+    if rotated:
+        return stored.to(dtype)
+    return (hadamard(stored) * 2.0 ** -rotation_shifts(head_dim)[1]).to(dtype)
 
 
 def roundtrip(x: torch.Tensor, fmt: KVCacheFormat | None, offset: torch.Tensor | None = None) -> torch.Tensor:
