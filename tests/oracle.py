@@ -48,3 +48,21 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
             outputs.append(out[0, len(ids) :].tolist())
     assert_not_degenerate(outputs, min_distinct)
     return outputs
+
+
+def assert_engine_greedy_equals_transformers(hf_model, tokenizer, folder: str) -> None:
+    """Through the engine (scheduler, block manager, sampler) on ``hf_model`` saved with ``tokenizer``
+    in ``folder``: greedy tokens equal transformers' (a reference checked not to be degenerate),
+    and every block goes back to the pool."""
+    from conftest import assert_no_leaks
+
+    from pagedllm import LLM, SamplingParams
+
+    hf_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64)
+    prompts = [[(7 * i + 3 * n) % 380 + 4 for i in range(n)] for n in (3, 11, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(folder, prompts, 12)
+    assert_no_leaks(llm)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks, train_tokenizer
 from gguf_families import write_family_gguf
-from oracle import hf_greedy
+from oracle import assert_engine_greedy_equals_transformers, hf_greedy
 from requirements_here import require
 from test_gguf_families import _logits
 from test_model_families import PROMPT_LENS, VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
@@ -108,15 +108,7 @@ def test_family_matches_transformers(name: str, tmp_path) -> None:
 def test_engine_greedy_equals_transformers(name: str, tokenizer, tmp_path) -> None:
     """Through the engine (scheduler, block manager, sampler): greedy tokens equal transformers'
     token for token, and every block goes back to the pool."""
-    random_hf_model(family_config(name)).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    folder = str(tmp_path)
-    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64)
-    prompts = [[(7 * i + 3 * n) % 380 + 4 for i in range(n)] for n in (3, 11, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == hf_greedy(folder, prompts, 12)
-    assert_no_leaks(llm)
+    assert_engine_greedy_equals_transformers(random_hf_model(family_config(name)), tokenizer, str(tmp_path))
 
 
 def test_settings_reach_the_layers(tmp_path) -> None:

@@ -12,15 +12,12 @@ the C++ layer loop: test_layer_programs.py holds their programs to no gaps.
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import assert_no_leaks, train_tokenizer
-from oracle import hf_greedy
+from conftest import train_tokenizer
+from oracle import assert_engine_greedy_equals_transformers
 from requirements_here import require
-from test_gguf_families import _logits
-from test_model_families import PROMPT_LENS, VOCAB, WINDOW, hf_prompt_and_step, random_hf_model
+from test_model_families import VOCAB, WINDOW, random_hf_model
+from test_moe_families import assert_logits_match, prompts_for
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.attention import PagedAttention
 from pagedllm.kernels.codes import SANDWICH
 from pagedllm.models import build_model, load_model_config
 
@@ -92,34 +89,14 @@ def test_family_matches_transformers(name: str, tmp_path) -> None:
     hf_model = random_hf_model(family_config(name))
     hf_model.save_pretrained(tmp_path)
     model_config = load_model_config(str(tmp_path), dtype="float32")
-    model = build_model(model_config, "cpu")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    next_tokens = [5, 17, 101, 42]
-    expected = [hf_prompt_and_step(hf_model, p, t) for p, t in zip(prompts, next_tokens)]
-    for use_kernel in (True, False):
-        for module in model.modules():
-            if isinstance(module, PagedAttention):
-                module.use_cpu_kernel = use_kernel
-        prefill, decode = _logits(model, model_config, prompts, next_tokens)
-        for i, (ref_prefill, ref_step) in enumerate(expected):
-            torch.testing.assert_close(prefill[i], ref_prefill, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(decode[i], ref_step, atol=1e-4, rtol=1e-4)
+    assert_logits_match(build_model(model_config, "cpu"), model_config, hf_model, prompts_for(1))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_greedy_equals_transformers(name: str, tokenizer, tmp_path) -> None:
     """Through the engine: greedy tokens equal transformers' (a reference checked not to repeat one
     token), and every block goes back to the pool."""
-    random_hf_model(family_config(name)).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    folder = str(tmp_path)
-    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64)
-    prompts = [[(7 * i + 3 * n) % 380 + 4 for i in range(n)] for n in (3, 11, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == hf_greedy(folder, prompts, 12)
-    assert_no_leaks(llm)
+    assert_engine_greedy_equals_transformers(random_hf_model(family_config(name)), tokenizer, str(tmp_path))
 
 
 def _built(tmp_path, name: str):
