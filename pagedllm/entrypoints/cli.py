@@ -1,4 +1,4 @@
-"""`pagedllm generate | chat | serve | download | models | env | simulate | dashboard` on the command line."""
+"""`pagedllm generate | chat | serve | download | models | env | simulate | dashboard | docs` on the command line."""
 
 from __future__ import annotations
 
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.dashboard.cli import add_dashboard_parser
 
     add_dashboard_parser(sub)
+    from pagedllm.entrypoints.docs_cli import add_docs_parser
+
+    add_docs_parser(sub)
     return parser
 
 

@@ -2,8 +2,9 @@
 
 Each entry is a ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` with the op
 (or the checkpoint layout) the decoder lacks for it, judged from its modeling code. The registry
-and ``family_of`` name the reason when such a model is refused; docs/FAMILIES.md is rendered from
-this table (families_doc.py) and tests/test_family_coverage.py holds the three together.
+and ``family_of`` name the reason when such a model is refused; the documentation's model families page
+is rendered from this table (pagedllm/reference_pages/families_page.py) and tests/test_family_coverage.py
+holds the three together.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from pagedllm.config import EXECUTOR_BACKENDS, setting
+from pagedllm.config import EXECUTOR_BACKENDS, SERVER_ARG_GROUPS, setting
+
+REPLICAS_GROUP = SERVER_ARG_GROUPS[3]
 
 ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")
 RAY_EXTRA_HINT = "pip install 'pagedllm[ray]' (Ray 2.60.0)"
@@ -28,7 +30,7 @@ class DataParallelConfig:
     """
 
     data_parallel_size: int = setting(
-        1, "data-parallel replicas on Ray (see the README)",
+        1, REPLICAS_GROUP,
         "Run this many whole engine replicas (each its own KV pool) as Ray actors behind this server (default "
         "1: one engine in this process). Needs pagedllm[ray].",
         aliases=("-dp",), positive=True,
@@ -36,18 +38,18 @@ class DataParallelConfig:
     # serve's --distributed-executor-backend stands in for EngineArgs' field of the same name: its value
     # reaches both.
     distributed_executor_backend: str | None = setting(
-        None, "data-parallel replicas on Ray (see the README)",
+        None, REPLICAS_GROUP,
         "ray: run the engine replicas as Ray actors (implied by --data-parallel-size > 1, even with one replica), "
         "each replica's tensor-parallel ranks as Ray actors in a placement group (--placement-group-strategy); "
         "mp: tensor parallelism's worker processes on this machine, one engine in this process.",
         choices=EXECUTOR_BACKENDS,
     )
     ray_address: str | None = setting(
-        None, "data-parallel replicas on Ray (see the README)",
+        None, REPLICAS_GROUP,
         "The Ray cluster to join (e.g. auto, or HOST:6379); default: RAY_ADDRESS, or a Ray started on this machine.",
     )
     router: str = setting(
-        "prefix", "data-parallel replicas on Ray (see the README)",
+        "prefix", REPLICAS_GROUP,
         "Which replica serves a request: prefix (the replica that cached the prompt's leading blocks, unless it is "
         "overloaded), round_robin or least_loaded (pagedllm/serving/router.py).",
         choices=ROUTER_POLICIES,

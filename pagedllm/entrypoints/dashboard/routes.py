@@ -1,7 +1,7 @@
 """The dashboard's HTTP surface: the page, the JSON snapshot and the SSE stream.
 
     GET /dashboard          the page (HTML, CSS and JS inlined: one self-contained document)
-    GET /dashboard/state    one snapshot, JSON (see the README's "Dashboard" section)
+    GET /dashboard/state    one snapshot, JSON (docs/guides/dashboard.md describes it)
     GET /dashboard/events   Server-Sent Events: ``history`` once, then ``state`` a few times a second
     GET /dashboard/replicas the views and each replica's live state (data-parallel replicas; empty otherwise)
 

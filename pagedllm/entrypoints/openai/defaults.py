@@ -1,6 +1,6 @@
 """The server's default limits, in one import-cheap place (the CLI's --help must not load the server).
 
-Documented in the README's "Hardening" section; each is a `pagedllm serve` flag.
+Documented in docs/guides/server.md (Hardening); each is a `pagedllm serve` flag.
 """
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes: a larger body gets 413

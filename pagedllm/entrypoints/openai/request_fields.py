@@ -24,13 +24,30 @@ _REFUSED_CHAT_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "verbosity": ((), "verbosity is not supported"),
     "web_search_options": ((), "web search is not supported"),
 }
+# Completion fields this server does not implement.
+_REFUSED_COMPLETION_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": (("",), "this server has no fill-in-the-middle models"),
+}
+# Fields of both chat and completion requests (vLLM's extras) this server does not implement.
+_REFUSED_SAMPLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "guided_whitespace_pattern": ((), "not supported; use structured_outputs.disable_any_whitespace for compact "
+                                      "JSON"),
+}
 
 
-def refuse_unsupported_chat_fields(request: Any) -> None:
-    for name, (accepted, reason) in _REFUSED_CHAT_FIELDS.items():
+def _refuse(request: Any, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    for name, (accepted, reason) in table.items():
         value = getattr(request, name)
         if value is not None and value not in accepted:
             raise bad_request(f"{name}: {reason}.", name)
+
+
+def refuse_unsupported_chat_fields(request: Any) -> None:
+    _refuse(request, _REFUSED_CHAT_FIELDS)
+
+
+def refuse_unsupported_completion_fields(request: Any) -> None:
+    _refuse(request, _REFUSED_COMPLETION_FIELDS)
     for i, message in enumerate(request.messages):
         if message.function_call is not None:
             raise bad_request(f"messages[{i}].function_call: the deprecated function_call is not supported; "
@@ -74,9 +91,7 @@ def structured_outputs(request: Any) -> tuple[StructuredOutputsParams | None, st
         value = getattr(request, name)
         if value is not None:
             found.append((name, {key: value}))
-    if request.guided_whitespace_pattern is not None:
-        raise bad_request("guided_whitespace_pattern is not supported; use structured_outputs."
-                          "disable_any_whitespace for compact JSON.", "guided_whitespace_pattern")
+    _refuse(request, _REFUSED_SAMPLING_FIELDS)
     if request.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise bad_request("guided_decoding_backend: this server's only backend is 'xgrammar'.",
                           "guided_decoding_backend")

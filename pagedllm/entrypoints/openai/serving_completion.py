@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     random_id,
 )
-from pagedllm.entrypoints.openai.request_fields import structured_outputs
+from pagedllm.entrypoints.openai.request_fields import refuse_unsupported_completion_fields, structured_outputs
 from pagedllm.entrypoints.openai.serving_base import (
     ClosingStreamingResponse,
     ServingContext,
@@ -141,8 +141,7 @@ class OpenAIServingCompletion:
         ctx = self.ctx
         ctx.check_model(request.model)
         ctx.async_engine.check_alive()
-        if request.suffix:
-            raise bad_request("suffix is not supported: this server has no fill-in-the-middle models.", "suffix")
+        refuse_unsupported_completion_fields(request)
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of must equal n (or be left out) when streaming.", "best_of")
         if request.stream and request.use_beam_search:
