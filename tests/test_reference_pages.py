@@ -162,7 +162,9 @@ ENDPOINTS = {
     "`POST /detokenize`": DetokenizeRequest,
 }
 REFUSALS = {
-    "`POST /v1/chat/completions`": request_fields._REFUSED_CHAT_FIELDS,
+    "`POST /v1/chat/completions`": {**request_fields._REFUSED_CHAT_FIELDS, **request_fields._REFUSED_SAMPLING_FIELDS},
+    "`POST /v1/completions`": {**request_fields._REFUSED_COMPLETION_FIELDS,
+                               **request_fields._REFUSED_SAMPLING_FIELDS},
     "`POST /v1/responses`": responses_input._REFUSED_FIELDS,
 }
 

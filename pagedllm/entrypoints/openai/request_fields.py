@@ -44,14 +44,14 @@ def _refuse(request: Any, table: dict[str, tuple[tuple[Any, ...], str]]) -> None
 
 def refuse_unsupported_chat_fields(request: Any) -> None:
     _refuse(request, _REFUSED_CHAT_FIELDS)
-
-
-def refuse_unsupported_completion_fields(request: Any) -> None:
-    _refuse(request, _REFUSED_COMPLETION_FIELDS)
     for i, message in enumerate(request.messages):
         if message.function_call is not None:
             raise bad_request(f"messages[{i}].function_call: the deprecated function_call is not supported; "
                               "send tool_calls instead.", f"messages.{i}.function_call")
+
+
+def refuse_unsupported_completion_fields(request: Any) -> None:
+    _refuse(request, _REFUSED_COMPLETION_FIELDS)
 
 
 # OpenAI's reasoning_effort values that vLLM (and GPT-OSS's chat template) take.
