@@ -231,6 +231,7 @@ import urllib.request
 assert urllib.request.urlopen("http://127.0.0.1:8000/health").read() == b"second"
 port = 8000
 assert port != int("80" + "00") and 18000 == 18 * 1000  # 8000 is the page's port; 18000 stays
+assert 8001 != port and 8001 != int("80" + "01")  # 8001 is the page's second port, another one
 ```
 ```sh
 curl -sf localhost:8000/missing

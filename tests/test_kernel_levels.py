@@ -223,3 +223,22 @@ def test_env_says_where_a_models_layers_run() -> None:
                          env={**os.environ, "PAGEDLLM_LAYER_STACK": "0"}, capture_output=True, text=True, timeout=300)
     assert off.returncode == 0, off.stderr
     assert "Layers           Python layers: the C++ layer loop switched off" in off.stdout
+
+
+def test_every_build_runs_the_pinned_ninja(monkeypatch, tmp_path) -> None:
+    """A build folder made by one ninja version is rebuilt whole by another (they hash commands
+    differently), so the build runs the pinned ninja package's even where PATH finds another first."""
+    import shutil
+
+    import ninja
+
+    from pagedllm.kernels.build import _pinned_ninja
+
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert shutil.which("ninja") == str(other)
+    with _pinned_ninja():
+        assert os.path.dirname(shutil.which("ninja")) == ninja.BIN_DIR
+    assert shutil.which("ninja") == str(other)

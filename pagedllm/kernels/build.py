@@ -148,6 +148,25 @@ def _remove_stale_build_lock(name: str) -> None:
             os.remove(lock)
 
 
+@contextlib.contextmanager
+def _pinned_ninja():
+    """torch runs the ``ninja`` first on PATH. Two ninja versions hash a command differently in a build
+    folder's .ninja_log, so a build made by one is rebuilt whole by the other (the system's ninja for
+    one process, the pinned ``ninja`` package's for another whose PATH starts with the environment's
+    bin folder). Every build runs the pinned package's ninja, whatever PATH holds."""
+    try:
+        import ninja
+    except ImportError:  # not installed: the ninja on PATH, as torch would take it
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def build_level(level: str, verbose: bool = False, base_flags: Sequence[str] = BASE_FLAGS) -> ModuleType:
     """The compiled module of one level (built now unless torch's cache has it). Raises when the
     toolchain cannot build it. Other ``base_flags`` (a benchmark's) build under a name of their own."""
@@ -155,5 +174,6 @@ def build_level(level: str, verbose: bool = False, base_flags: Sequence[str] = B
 
     name = build_name(level, base_flags)
     _remove_stale_build_lock(name)
-    return load(name=name, sources=SOURCES, extra_cflags=cflags(level, base_flags), extra_ldflags=["-fopenmp"],
-                verbose=verbose)
+    with _pinned_ninja():
+        return load(name=name, sources=SOURCES, extra_cflags=cflags(level, base_flags), extra_ldflags=["-fopenmp"],
+                    verbose=verbose)
