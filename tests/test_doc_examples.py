@@ -242,7 +242,7 @@ curl -sf localhost:8000/missing
 def test_background_server_curl_port_and_stop(tmp_path) -> None:
     pids = tmp_path / "pids"
     path = write_page(tmp_path, BACKGROUND_PAGE.replace("PIDS", str(pids)))
-    message = fails(path, "page.md:32: sh block exited with status 22", "page.md:23 on port",
+    message = fails(path, "page.md:33: sh block exited with status 22", "page.md:23 on port",
                     "serving second")
     assert "serving first" not in message  # the first server was stopped when the second started
     first, second = (int(pid) for pid in pids.read_text().split())

@@ -7,8 +7,7 @@ import re
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic.fields import FieldInfo, PydanticUndefined
 
 from pagedllm.entrypoints.openai import request_fields, responses_input
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestModel
