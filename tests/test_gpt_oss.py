@@ -31,6 +31,7 @@ from pagedllm.models import build_model, load_model_config
 from pagedllm.models.layer_program import layer_program
 from pagedllm.models.moe import ClampedSwiGLU, SparseMoE
 from pagedllm.quantization.formats import MXFP4, dequantize
+from pagedllm.quantization.int8_tiles import Int8TiledTensor, resolve_int8_activations
 from pagedllm.quantization.kernels import cpu_kernels_serve, packed_linear
 from pagedllm.quantization.mxfp4 import pack_mxfp4, quantize_mxfp4
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
@@ -285,7 +286,7 @@ def test_tensor_parallel_greedy(gpt_oss_dir: str) -> None:
 def test_mxfp4_format_is_gguf_and_transformers_mxfp4() -> None:
     """Our MXFP4 blocks are GGUF's (gguf-py quantizes the same weights to the same bytes and
     dequantizes them to our values), and hold what transformers dequantizes from a checkpoint's
-    blocks and scales; the C++ kernels are never handed the format, the torch reference multiplies."""
+    blocks and scales; the C++ kernels and the torch reference multiply it."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
     from gguf.quants import quantize as gguf_quantize
@@ -305,9 +306,11 @@ def test_mxfp4_format_is_gguf_and_transformers_mxfp4() -> None:
     assert torch.equal(ours.view(3, 8, 64), theirs.transpose(1, 2))
     assert (ours.view(3, 8, 64) - weight).abs().max() < 0.3 * weight.abs().max()  # a quantization of it
 
-    assert not cpu_kernels_serve(torch.device("cpu"), 64, MXFP4)
+    assert cpu_kernels_serve(torch.device("cpu"), 64, MXFP4)  # the C++ kernels decode MXFP4 blocks
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(packed_linear(x, packed.data, MXFP4, 64, None), x @ ours.t())
+    with use_kernel_config(quant_kernel="torch"):  # and the torch reference gives the same product
+        torch.testing.assert_close(packed_linear(x, packed.data, MXFP4, 64, None), x @ ours.t())
 
 
 def write_mxfp4_checkpoint(hf_model, folder: str, float_folder: str) -> None:
@@ -350,17 +353,22 @@ def test_mxfp4_checkpoint_stays_packed_and_matches_dequantized(tmp_path, tokeniz
     model_config = load_model_config(folder, dtype="float32")
     assert model_config.quantization == "mxfp4"
     model = build_model(model_config, "cpu")
+    # With int8 activations (on wherever the CPU has an integer dot product) the MXFP4 rows are
+    # re-tiled for the int8 kernels, at the same 4.5 bits per weight.
+    tiled = resolve_int8_activations(model_config.int8_activations, torch.device("cpu"))
     for layer in model.model.layers:
         for expert in layer.mlp.experts:
             for linear in (expert.gate_up_proj, expert.down_proj):
                 weight = linear.weight
                 assert isinstance(weight, QuantizedWeight) and linear.packed_weight is None
-                assert weight.formats == ["MXFP4"]
-                assert all(isinstance(seg.weight, PackedTensor) for seg in weight.segments)
+                assert weight.formats == ["MXFP4/int8-tiled" if tiled else "MXFP4"]
+                assert all(isinstance(seg.weight, Int8TiledTensor if tiled else PackedTensor)
+                           for seg in weight.segments)
         # Attention stays float (its holders turned back into parameters).
         assert not isinstance(getattr(layer.self_attn.qkv_proj, "weight", None), QuantizedWeight)
 
-    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64)
+    # Float activations: the exact product with the dequantized weights, as transformers computes it.
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, int8_activations=False)
     prompts = prompts_for(6, (2, 9, 19))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

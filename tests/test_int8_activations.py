@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_no_leaks
-from test_quantized import GGUF_TYPES, _gguf, _greedy, _packed, _prompts, _vocab, gguf_dir, tokenizer_dir  # noqa: F401
+from test_quantized import KERNEL_TYPES, _gguf, _greedy, _packed, _prompts, _vocab, gguf_dir, tokenizer_dir  # noqa: F401
 
 from pagedllm import LLM
 from pagedllm.kernels import cpu_kernels, kernel_config, use_kernel_config
@@ -36,7 +36,7 @@ def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 def _weights() -> list[tuple[str, object]]:
     w = torch.randn(37, 512, generator=torch.Generator().manual_seed(3)) * 0.05
-    cases = [(name, _packed(name, 37, 512, seed=5)) for name in GGUF_TYPES]
+    cases = [(name, _packed(name, 37, 512, seed=5)) for name in KERNEL_TYPES]
     return cases + [("I4_G64", quantize_int4_groups(w, 64)), ("I4_G128", quantize_int4_groups(w, 128)),
                     ("I8_ROW", quantize_int8_per_channel(w))]
 
@@ -63,7 +63,7 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
     # them), for 48 rows: 37 padded to 3 panels of 16. The file's: Q4_0 4.5, Q4_1 5, Q8_0 8.5,
     # Q4_K 4.5, Q5_K 5.5, Q6_K 6.56.
     bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 5, "Q5_K": 9, "Q6_K": 7, "I4_G64": 5, "I4_G128": 5,
-            "I8_ROW": 8.5}[name]
+            "I8_ROW": 8.5, "MXFP4": 4.5}[name]
     assert tiled.nbytes == 48 * 512 * bits / 8
     for rows in (1, 3, 4, 7, AMX_MIN_ROWS - 1):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -91,6 +91,24 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
     assert amx == kernel_level.has("int8_linear_amx")
     if amx:
         kernel_level.assert_ran("int8_linear_amx")
+
+
+def test_mxfp4_tiling_only_where_exact(kernel_level):
+    """An MXFP4 block's scale goes into the tiling as an fp16: a weight with a scale no fp16 holds
+    keeps its packed rows (the float kernels multiply it), an all-zero block may have any scale."""
+    from pagedllm.quantization.formats import MXFP4
+
+    if int8_tiling_reason(torch.device("cpu")) is not None:
+        pytest.skip(f"{kernel_level.level}: no int8 dot product")  # the kernel test above checks the reason
+    packed = _packed("MXFP4", 16, 64, seed=2)
+    blocks = packed.data.view(16, 2, MXFP4.block_bytes)
+    blocks[0, 0, 1:] = 0  # an all-zero block ...
+    blocks[0, 0, 0] = 250  # ... with a scale of 2^123
+    tiled = tile_for_int8(packed.data, MXFP4, 64)
+    assert tiled is not None
+    torch.testing.assert_close(tiled.dequantize(), packed.dequantize(), rtol=0, atol=0)
+    blocks[3, 1, 0] = 20  # 2^-107 times nonzero codes: below fp16's range
+    assert tile_for_int8(packed.data, MXFP4, 64) is None
 
 
 @pytest.mark.parametrize("types", ["Q4_0", "Q4_K_M"])

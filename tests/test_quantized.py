@@ -22,6 +22,8 @@ from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 from pagedllm.quantization.quantize import make_quantizer, quantize_int4_groups, quantize_int8_per_channel
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# The formats the C++ kernels multiply: the GGUF linears' types and MXFP4 (GPT-OSS's experts).
+KERNEL_TYPES = [*GGUF_TYPES, "MXFP4"]
 NEW_TOKENS = 16
 
 
@@ -30,7 +32,7 @@ def _packed(type_name: str, rows: int, cols: int, seed: int = 0) -> PackedTensor
     from gguf.quants import quantize
 
     rng = np.random.default_rng(seed)
-    fmt = formats.GGUF_PACKED_TYPES[type_name]
+    fmt = formats.MXFP4 if type_name == "MXFP4" else formats.GGUF_PACKED_TYPES[type_name]
     if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         data = random_kquant(rng, type_name, rows, cols)
     else:
@@ -41,7 +43,7 @@ def _packed(type_name: str, rows: int, cols: int, seed: int = 0) -> PackedTensor
 # ------------------------------------------------------------------------------------ formats
 
 
-@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
 def test_dequantize_equals_gguf_py(type_name, kernel_level):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -53,7 +55,7 @@ def test_dequantize_equals_gguf_py(type_name, kernel_level):
     torch.testing.assert_close(cpp, expected, rtol=1e-6, atol=1e-7)  # an FMA may round once less
 
 
-@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, SMALL_M + 5])
 def test_packed_linear_equals_dequantized_product(type_name, rows, kernel_level):
     packed = _packed(type_name, 37, 512, seed=rows)  # 37 output rows: a partial tile of 4

@@ -7,7 +7,7 @@ weight. The ids are ggml's type numbers for the GGUF types; the C++ kernels
 (``kernels/csrc/quant_linear_cpu.cpp``) use the same ids.
 
 ``dequantize`` here is the torch reference (and the fallback on CUDA, without the C++ kernels,
-and for formats they do not implement: ``CPU_KERNEL_FORMAT_IDS``): the same float values gguf-py's
+and for formats they would not implement: ``CPU_KERNEL_FORMAT_IDS``, today every format here): the same float values gguf-py's
 numpy dequantizer gives.
 """
 
@@ -51,7 +51,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 GGUF_PACKED_TYPES = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 # The formats kernels/csrc/quant_formats.h implements; any other is multiplied by the torch reference.
-CPU_KERNEL_FORMAT_IDS = frozenset(f.id for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, I4_G64, I4_G128, I8_ROW))
+CPU_KERNEL_FORMAT_IDS = frozenset(f.id for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, I4_G64, I4_G128, I8_ROW, MXFP4))
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:

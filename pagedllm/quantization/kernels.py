@@ -35,8 +35,8 @@ _REFERENCE_PANEL_ELEMENTS = 1 << 22
 
 def cpu_kernels_serve(device: torch.device, in_features: int, fmt: Format) -> bool:
     """Whether the C++ kernels multiply packed rows of ``fmt`` with ``in_features`` inputs here (else
-    the torch reference). A format they do not implement (MXFP4) is never handed to them: they would
-    refuse its id."""
+    the torch reference). A format outside ``CPU_KERNEL_FORMAT_IDS`` is never handed to them: they
+    would refuse its id."""
     if device.type != "cpu" or in_features % 16 or kernel_config().quant_kernel == "torch":
         return False
     return fmt.id in CPU_KERNEL_FORMAT_IDS and cpu_kernels() is not None

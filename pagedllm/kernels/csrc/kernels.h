@@ -52,6 +52,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t format, int64_
                            c10::optional<at::Tensor> bias, int64_t small_m);  // small_m < 0: one order for any rows
 std::string int8_dot_isa();
 bool int8_tiling_supported(int64_t format);
+bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k);
 at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k);
 at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, at::Tensor rows);
 at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -25,7 +26,12 @@ enum Format : int64_t {
   F_I4_G64 = 1064,   // int4 groups of 64: fp16 scale, fp16 min, 32 bytes of nibbles (Q4_1's layout, wider)
   F_I4_G128 = 1128,  // the same with groups of 128
   F_I8_ROW = 1008,   // int8 per output channel: K int8 then one float32 scale at the row's end
+  F_MXFP4 = 39,      // OCP microscaling FP4: an e8m0 exponent byte, then 16 bytes of e2m1 codes (low nibbles first)
 };
+
+// e2m1 code -> value: bit 3 the sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+constexpr float kE2M1Values[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                   -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -39,7 +45,7 @@ inline float half_to_float(const uint8_t* p) {
 
 inline int64_t block_values(int64_t format) {
   switch (format) {
-    case F_Q4_0: case F_Q4_1: case F_Q8_0: return 32;
+    case F_Q4_0: case F_Q4_1: case F_Q8_0: case F_MXFP4: return 32;
     case F_Q4_K: case F_Q5_K: case F_Q6_K: return 256;
     case F_I4_G64: return 64;
     case F_I4_G128: return 128;
@@ -59,9 +65,14 @@ inline int64_t block_bytes(int64_t format) {
     case F_I4_G64: return 36;
     case F_I4_G128: return 68;
     case F_I8_ROW: return 16;
+    case F_MXFP4: return 17;
   }
   TORCH_CHECK(false, "unknown quantized weight format ", format);
 }
+
+// An MXFP4 block's scale 2^(e - 127): exact in float32 for every exponent byte but 255 (NaN in
+// the OCP format; infinity here, as the torch reference's ldexp gives).
+inline float e8m0_scale(uint8_t e) { return std::ldexp(1.f, static_cast<int>(e) - 127); }
 
 inline int64_t row_bytes(int64_t format, int64_t k) {
   if (format == F_I8_ROW) return k + 4;
@@ -104,6 +115,36 @@ inline i32x16 widen_u8(const uint8_t* p) { return widen<false>(p); }
 inline i32x16 widen_i8(const uint8_t* p) { return widen<true>(p); }
 
 inline vec16 to_float(i32x16 v) { return __builtin_convertvector(v, vec16); }
+
+// 16 e2m1 codes (0..15 in int32 lanes) -> their float values, one table lookup per lane.
+inline vec16 e2m1_values(i32x16 codes) {
+#if defined(__AVX512F__)
+  __m512i idx;
+  std::memcpy(&idx, &codes, 64);
+  const __m512 v = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(kE2M1Values));
+  vec16 out;
+  std::memcpy(&out, &v, 64);
+  return out;
+#elif defined(__AVX2__)
+  // Eight magnitudes per 8-lane table lookup; the sign (code bit 3) goes to the float's sign bit.
+  __m256i c[2];
+  std::memcpy(c, &codes, 64);
+  const __m256 magnitudes = _mm256_loadu_ps(kE2M1Values);
+  __m256 v[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 m = _mm256_permutevar8x32_ps(magnitudes, c[h]);  // uses the low 3 bits of each lane
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c[h], _mm256_set1_epi32(8)), 28);
+    v[h] = _mm256_or_ps(m, _mm256_castsi256_ps(sign));
+  }
+  vec16 out;
+  std::memcpy(&out, v, 64);
+  return out;
+#else
+  vec16 out;
+  for (int i = 0; i < 16; ++i) out[i] = kE2M1Values[codes[i] & 0xF];
+  return out;
+#endif
+}
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float vec8 __attribute__((vector_size(32)));
@@ -170,6 +211,16 @@ inline void visit_row(int64_t format, const uint8_t* row, int64_t k, int64_t k0,
           emit(at + c, to_float(v & 0xF) * d + o, Slot<0>{});
           emit(at + half + c, to_float(v >> 4) * d + o, Slot<1>{});
         }
+      }
+      break;
+    case F_MXFP4:
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bb;
+        const float d = e8m0_scale(blk[0]);
+        const i32x16 v = widen_u8(blk + 1);
+        const int64_t at = b * bv - k0;
+        emit(at, e2m1_values(v & 0xF) * d, Slot<0>{});
+        emit(at + 16, e2m1_values(v >> 4) * d, Slot<1>{});
       }
       break;
     case F_Q8_0:

@@ -22,6 +22,9 @@
 // with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
 // Scales are stored as fp16: exact for the legacy formats (their scales are fp16), and within
 // fp16 rounding of d * sc for the K-quants.
+// MXFP4 keeps its e2m1 codes as the nibbles; the kernel maps each code through a table to the
+// unsigned quant 2v + 12 (0..24 for v in -6..6) before the dot product, with S = 2^(e - 128) and
+// O = -12 S, so S * q + O = v * 2^(e - 127) exactly (int8_tiling_exact: S must be an fp16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -51,15 +54,17 @@ struct Tiling {
   int flush;       // inputs per weight scale block
   bool has_mins;   // offsets stored (else O = min_factor * S)
   float min_factor;
+  bool e2m1;       // nibbles are e2m1 codes, mapped to quants by a table (MXFP4)
 };
 
 Tiling tiling_of(int64_t format) {
   switch (format) {
-    case F_Q4_0: return {4, 32, false, -8.f};
-    case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: return {4, 32, true, 0.f};
-    case F_Q5_K: return {8, 32, true, 0.f};
-    case F_Q6_K: return {6, 16, false, -32.f};
-    case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f};
+    case F_Q4_0: return {4, 32, false, -8.f, false};
+    case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: return {4, 32, true, 0.f, false};
+    case F_Q5_K: return {8, 32, true, 0.f, false};
+    case F_Q6_K: return {6, 16, false, -32.f, false};
+    case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f, false};
+    case F_MXFP4: return {4, 32, false, -12.f, true};
   }
   TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
 }
@@ -101,6 +106,20 @@ void row_quants(int64_t format, const uint8_t* row, int64_t k, const Tiling& t, 
           scale[b * bv / t.flush + f] = d;
           offset[b * bv / t.flush + f] = m;
         }
+      }
+      break;
+    case F_MXFP4:
+      for (int64_t b = 0; b < k / bv; ++b) {
+        const uint8_t* blk = row + b * bb;
+        for (int i = 0; i < 16; ++i) {
+          q[b * 32 + i] = blk[1 + i] & 0xF;
+          q[b * 32 + 16 + i] = blk[1 + i] >> 4;
+        }
+        bool nonzero = false;
+        for (int i = 1; i < 17; ++i) nonzero |= (blk[i] & 0x77) != 0;
+        // An all-zero block keeps a zero scale whatever its exponent (an fp16 may not hold that one).
+        scale[b] = nonzero ? e8m0_scale(blk[0]) * 0.5f : 0.f;
+        offset[b] = -12.f * scale[b];
       }
       break;
     case F_Q8_0:
@@ -343,9 +362,36 @@ inline int32_t x4_at(const int8_t* p) {
   return v;
 }
 
+// e2m1 codes (0..15 per byte) -> the unsigned quants 2v + 12, one byte-table lookup per byte.
+constexpr uint8_t kE2M1Quants[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+inline u8x64 e2m1_quants(u8x64 codes) {
+#if defined(__AVX512BW__)
+  __m512i c;
+  std::memcpy(&c, &codes, 64);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Quants)));
+  const __m512i q = _mm512_shuffle_epi8(table, c);
+  u8x64 out;
+  std::memcpy(&out, &q, 64);
+  return out;
+#elif defined(__AVX2__)
+  __m256i c[2];
+  std::memcpy(c, &codes, 64);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Quants)));
+  const __m256i q[2] = {_mm256_shuffle_epi8(table, c[0]), _mm256_shuffle_epi8(table, c[1])};
+  u8x64 out;
+  std::memcpy(&out, q, 64);
+  return out;
+#else
+  u8x64 out;
+  for (int i = 0; i < 64; ++i) out[i] = kE2M1Quants[codes[i] & 0xF];
+  return out;
+#endif
+}
+
 // The unsigned quants of scale block f of a panel as [16 rows x 4 inputs] operands: ops[s] holds
-// inputs f * Flush + 4s .. + 3.
-template <int Bits, int Flush>
+// inputs f * Flush + 4s .. + 3. E2M1: the nibbles are MXFP4 codes, mapped to quants.
+template <int Bits, int Flush, bool E2M1 = false>
 inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush / 4]) {
   const u8x64 low = (u8x64){} + 0xF;
   if constexpr (Bits == 4) {
@@ -353,6 +399,10 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
       const u8x64 v = load_u8x64(quants + (f * Flush / 8 + c) * 64);
       ops[2 * c] = v & low;
       ops[2 * c + 1] = (v >> 4) & low;
+      if constexpr (E2M1) {
+        ops[2 * c] = e2m1_quants(ops[2 * c]);
+        ops[2 * c + 1] = e2m1_quants(ops[2 * c + 1]);
+      }
     }
   } else if constexpr (Bits == 6) {
     static_assert(Flush == 16, "6-bit panels hold 16-input groups");
@@ -369,7 +419,7 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
 }
 
 // y[m, panel rows] for MR activation rows starting at m0, over one panel.
-template <int Bits, int Flush, int MR>
+template <int Bits, int Flush, int MR, bool E2M1>
 void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
   const int64_t k = a.k;
   const uint8_t* quants = panel;
@@ -382,7 +432,7 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
     i32v iacc[MR] = {};
     const int64_t k0 = f * Flush;
     u8x64 ops[Flush / 4];
-    block_operands<Bits, Flush>(quants, f, ops);
+    block_operands<Bits, Flush, E2M1>(quants, f, ops);
     for (int s = 0; s < Flush / 4; ++s)
       for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], ops[s], x4_at(xrow[m] + k0 + 4 * s));
     const vec16 sc = load_half16(scales + f * kPanel);
@@ -401,7 +451,7 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
 // + offset rounded to nearest even (as the float weight's .to(bfloat16)), in the packed layout of
 // dense_gemm_cpu.cpp: out[k / 2][32][2]. An operand's lane 4r + j (row r, input j) goes to pair-row
 // j / 2, output r, slot j % 2: its even 32-bit pairs form one pair-row, its odd pairs the next.
-template <int Bits, int Flush>
+template <int Bits, int Flush, bool E2M1>
 void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k, int64_t p, uint16_t* out) {
   const int64_t pb = panel_bytes(t, k);
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -432,7 +482,7 @@ void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int
         lane_offset[i] = _mm512_permutexvar_ps(lane_row[i], mn);
       }
       u8x64 ops[Flush / 4];
-      block_operands<Bits, Flush>(panel, f, ops);
+      block_operands<Bits, Flush, E2M1>(panel, f, ops);
       for (int s = 0; s < Flush / 4; ++s) {
         __m512i v;
         std::memcpy(&v, &ops[s], 64);
@@ -452,9 +502,10 @@ void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int
 }
 
 PanelDecoder dense_panel_decoder(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k) {
-  if (t.bits == 4) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32>(t, w, n_panels, k, p, out); };
-  if (t.bits == 6) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<6, 16>(t, w, n_panels, k, p, out); };
-  return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<8, 32>(t, w, n_panels, k, p, out); };
+  if (t.e2m1) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, true>(t, w, n_panels, k, p, out); };
+  if (t.bits == 4) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, false>(t, w, n_panels, k, p, out); };
+  if (t.bits == 6) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<6, 16, false>(t, w, n_panels, k, p, out); };
+  return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<8, 32, false>(t, w, n_panels, k, p, out); };
 }
 #endif
 
@@ -467,7 +518,7 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxRows = 4;
 #endif
 
-template <int Bits, int Flush>
+template <int Bits, int Flush, bool E2M1 = false>
 void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activations& a, int64_t m_rows,
                 const float* bias, float* y) {
   const int64_t k = a.k, pb = panel_bytes(t, k);
@@ -490,19 +541,19 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
         const int64_t left = m_rows - m;
         int mr;
         if (kMaxRows == 8 && left >= 8) {
-          panel_kernel<Bits, Flush, kMaxRows>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, kMaxRows, E2M1>(t, panel, a, m, out);
           mr = kMaxRows;
         } else if (left >= 4) {
-          panel_kernel<Bits, Flush, 4>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 4, E2M1>(t, panel, a, m, out);
           mr = 4;
         } else if (left == 3) {
-          panel_kernel<Bits, Flush, 3>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 3, E2M1>(t, panel, a, m, out);
           mr = 3;
         } else if (left == 2) {
-          panel_kernel<Bits, Flush, 2>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 2, E2M1>(t, panel, a, m, out);
           mr = 2;
         } else {
-          panel_kernel<Bits, Flush, 1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 1, E2M1>(t, panel, a, m, out);
           mr = 1;
         }
         for (int i = 0; i < mr; ++i) {
@@ -569,10 +620,27 @@ std::string int8_dot_isa() {
 // Whether `format` can be tiled on this build (8-bit quants need a VNNI dot product, see dot4).
 bool int8_tiling_supported(int64_t format) {
   switch (format) {
-    case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: return true;
+    case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: case F_MXFP4:
+      return true;
     case F_Q8_0: case F_I8_ROW: return int8_dot_isa() != "avx2";
   }
   return false;
+}
+
+// Whether the tiling holds `qweight` exactly: an MXFP4 block's scale 2^(e - 128) must be an fp16
+// (e in 104..143) unless all its codes are zeros; every other format's scales are.
+bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k) {
+  check_weight(qweight, format, k);
+  if (format != F_MXFP4) return true;
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const int64_t blocks = qweight.numel() / block_bytes(format);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * block_bytes(format);
+    if (blk[0] >= 104 && blk[0] <= 143) continue;
+    for (int i = 1; i < 17; ++i)
+      if (blk[i] & 0x77) return false;  // a nonzero magnitude in either nibble
+  }
+  return true;
 }
 
 // A packed weight [N, row_bytes] in `format` -> its int8 tiling [ceil(N / 16), panel_bytes].
@@ -617,6 +685,7 @@ at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int
         int shift = 0, high_shift = 0;
         quant_position(t, r, i, &byte, &shift, &high_byte, &high_shift);
         int q = t.bits == 8 ? panel[byte] : (panel[byte] >> shift) & 0xF;
+        if (t.e2m1) q = kE2M1Quants[q];
         if (t.bits == 6) q |= ((panel[high_byte] >> high_shift) & 3) << 4;
         const int64_t f = i / t.flush;
         const float s = from_half_bits(scales[f * kPanel + r]);
@@ -668,7 +737,9 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n
   const float* b = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (t.bits == 4) {
+  if (t.e2m1) {
+    run_panels<4, 32, true>(t, w, n_rows, a, m, b, yp);
+  } else if (t.bits == 4) {
     run_panels<4, 32>(t, w, n_rows, a, m, b, yp);
   } else if (t.bits == 6) {
     run_panels<6, 16>(t, w, n_rows, a, m, b, yp);
