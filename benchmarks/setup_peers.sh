@@ -18,7 +18,8 @@
 # ~15 s, ~5 min with the torch + transformers its converter needs (measured on a busy machine);
 # llama.cpp: ~2.5 min to fetch its sdist, then llama-cpp-python compiles llama.cpp for 10-14 min.
 # llamacpp-server: compiles llama.cpp's llama-server (C++ continuous-batching HTTP server, `--parallel N`)
-# from the same sdist's vendored sources into DIR/llamacpp/build-server, linked as DIR/llamacpp/bin/llama-server
+# and llama-bench from the same sdist's vendored sources into DIR/llamacpp/build-server, linked as
+# DIR/llamacpp/bin/llama-server and DIR/llamacpp/bin/llama-bench
 # (another ~17 min measured here on the busy machine: ggml is compiled again, statically; run it after llamacpp,
 # not beside it). No web UI
 # (LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI off: nothing is fetched), no OpenSSL. benchmarks/quantized.py uses it.
@@ -116,6 +117,20 @@ setup_llamacpp() {
   "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 }
 
+# ggml's CPU instruction sets: this CPU's (as GGML_NATIVE would pick them) but never AMX. Its AMX
+# kernels (tinygemm_kernel_amx, reached through weight repacking) die with SIGILL at their first
+# tilezero on this machine's AMX Xeon, for every model; without AMX llama.cpp keeps its AVX-512
+# repacked kernels, its fastest working configuration here.
+llamacpp_isa_flags() {
+  local flags
+  flags=$(grep -m1 '^flags' /proc/cpuinfo)
+  has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+  echo "-DGGML_NATIVE=OFF -DGGML_SSE42=$(has sse4_2) -DGGML_F16C=$(has f16c) -DGGML_FMA=$(has fma)" \
+    "-DGGML_BMI2=$(has bmi2) -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_AVX_VNNI=$(has avx_vnni)" \
+    "-DGGML_AVX512=$(has avx512bw) -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni)" \
+    "-DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
 setup_llamacpp_server() {
   make_venv llamacpp
   local venv="$DIR/llamacpp"
@@ -123,12 +138,13 @@ setup_llamacpp_server() {
   local src="$venv/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp" build="$venv/build-server"
   local generator=()
   if command -v ninja >/dev/null; then generator=(-G Ninja); fi
-  cmake -S "$src" -B "$build" ${generator[@]+"${generator[@]}"} -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  cmake -S "$src" -B "$build" ${generator[@]+"${generator[@]}"} -DCMAKE_BUILD_TYPE=Release $(llamacpp_isa_flags) \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
-  cmake --build "$build" --target llama-server -j "${LLAMA_SERVER_JOBS:-2}"
+  cmake --build "$build" --target llama-server llama-bench -j "${LLAMA_SERVER_JOBS:-2}"
   ln -sfn "$build/bin/llama-server" "$venv/bin/llama-server"
+  ln -sfn "$build/bin/llama-bench" "$venv/bin/llama-bench"
   "$venv/bin/llama-server" --version
 }
 

@@ -107,7 +107,14 @@ class PagedLLMRunner:
 
 
 def preload() -> None:
-    import pagedllm  # noqa: F401  (torch and the C++ extension: not the model's load time)
+    """Libraries, not the model: torch, the C++ extension, transformers' config and tokenizer classes
+    (imported lazily on first use, which would otherwise land inside the load time)."""
+    import transformers
+    import transformers.utils.type_validators  # noqa: F401  (every model config imports it)
+
+    import pagedllm  # noqa: F401
+
+    transformers.PreTrainedTokenizerFast, transformers.PretrainedConfig  # noqa: B018  (resolve the lazy names)
 
 
 if __name__ == "__main__":

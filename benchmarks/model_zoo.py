@@ -1,0 +1,278 @@
+"""The real-size model zoo against llama.cpp, one model at a time, side by side in one run.
+
+For each zoo file (random weights of the real shapes, written by make_gguf_models.py) both engines
+run the same GGUF with the same threads:
+- llama.cpp's ``llama-bench`` (flash attention on): prompt processing of a 512-token prompt (pp512)
+  and single-stream decode of 128 tokens (tg128), ``--repeats`` runs each;
+- llama.cpp's ``llama-server --parallel 16``: load time (start to /health ready), peak RSS, and
+  the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens);
+- pagedllm (``LLM(model=FILE)`` in its own process, benchmarks/quant_runners/run_pagedllm.py): load
+  time, peak RSS, single-stream decode (128-token prompt, 128 new tokens, decode time only), pp512
+  (the 512-token prompt's pass: arrival to first token), and 16 streams' aggregate.
+The roofline of single-stream decode is read bandwidth (benchmarks/bandwidth.py, measured first,
+on the idle machine) over the weight bytes one token reads (a MoE's experts counted at
+top-k / n_expert). ``--contexts 8192 32768`` adds single-stream decode at those context lengths
+(llama-bench ``-d``, pagedllm a prompt of that length) for the models whose context allows them,
+and at 1024 for the ratio.
+
+    .venv/bin/python benchmarks/make_gguf_models.py --models olmo-2-1b qwen3-4b --types q4_k_m
+    .venv/bin/python benchmarks/model_zoo.py --models olmo-2-1b:q4_k_m qwen3-4b:q4_k_m \\
+        --json benchmarks/results/model_zoo.json
+    .venv/bin/python benchmarks/model_zoo.py --models qwen3-4b:q4_k_m --contexts 8192 32768 --no-streams
+
+Bars (rows that miss are printed as misses): decode >= 1.15x llama.cpp and >= 80% of the roofline;
+16 streams >= 2x llama-server and >= 4x our single stream; pp512 >= 1.0x llama.cpp; peak RSS <= file
++ 1.5 GiB; load <= 2x llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)
+
+from bandwidth import measure_read_bandwidth  # noqa: E402
+from make_gguf_models import SHAPES, model_path  # noqa: E402
+from quant_engines import ChildEngine, LlamaServerEngine  # noqa: E402
+
+TOKEN_LOW, TOKEN_HIGH = 100, 30000  # prompt ids: real tokens of every zoo vocabulary
+PROMPT, NEW, STREAMS, PP = 128, 128, 16, 512
+
+
+@dataclass
+class Row:
+    model: str
+    path: str
+    file_gib: float
+    roofline_tok_s: float | None = None
+    ours: dict[str, Any] = field(default_factory=dict)
+    llamacpp: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length)] for _ in range(count)]
+
+
+def weight_bytes_per_token(path: str) -> int:
+    """Bytes one decode step reads: every tensor but the input embedding (unless it is also the LM
+    head), a mixture's stacked experts at top-k / n_expert of their size."""
+    from pagedllm.models.gguf_loader import read_gguf
+
+    gguf = read_gguf(path)
+    arch = gguf.metadata["general.architecture"]
+    used = gguf.metadata.get(f"{arch}.expert_used_count")
+    experts = gguf.metadata.get(f"{arch}.expert_count")
+    tied = "output.weight" not in gguf.tensors
+    total = 0.0
+    for name, tensor in gguf.tensors.items():
+        if name == "token_embd.weight" and not tied:
+            continue
+        share = used / experts if experts and "_exps" in name else 1.0
+        total += tensor.nbytes * share
+    return int(total)
+
+
+def llama_bench(binary: str, path: str, threads: int, repeats: int, args: list[str]) -> list[dict[str, Any]]:
+    command = [binary, "-m", path, "-t", str(threads), "-r", str(repeats), "-fa", "1", "-o", "json", *args]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=7200)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited with {out.returncode}:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def bench_rate(entries: list[dict[str, Any]], prompt: int, gen: int, depth: int = 0) -> float | None:
+    for e in entries:
+        if e["n_prompt"] == prompt and e["n_gen"] == gen and e.get("n_depth", 0) == depth:
+            return float(e["avg_ts"])
+    return None
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
+    kv_tokens = STREAMS * (PROMPT + NEW) + PP
+    engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
+                         args.threads, {"kv_tokens": kv_tokens, "max_num_seqs": STREAMS,
+                                        "llm": {"max_model_len": PP + NEW}},
+                         {}, os.path.join(args.log_dir, f"{row.model}-pagedllm.log"))
+    try:
+        row.ours["load_s"] = engine.load_s
+        engine.single(prompts(9, 1, PROMPT)[0], 4)  # warm-up
+        decode, pp = [], []
+        for r in range(args.repeats):
+            reply = engine.single(prompts(100 + r, 1, PROMPT)[0], NEW)
+            decode.append((reply["tokens"] - 1) / reply["decode_s"])
+            reply = engine.single(prompts(200 + r, 1, PP)[0], 1)
+            pp.append(PP / reply["prefill_s"])
+        row.ours["decode_tok_s"], row.ours["pp512_tok_s"] = median(decode), median(pp)
+        if not args.no_streams:
+            engine.batch(prompts(10, 2, PROMPT), 4)
+            rates = []
+            for r in range(args.repeats):
+                reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
+                rates.append(reply["tokens"] / reply["elapsed"])
+            row.ours["streams16_tok_s"] = median(rates)
+        memory = engine.memory()
+        row.ours["peak_rss_gib"] = memory["VmHWM"] / 2**30
+        row.ours["weight_gib"] = (memory.get("weight_bytes") or 0) / 2**30
+    finally:
+        engine.close()
+
+
+def measure_ours_contexts(args: argparse.Namespace, path: str, row: Row, contexts: list[int]) -> None:
+    longest = max(contexts)
+    engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
+                         args.threads, {"kv_tokens": longest + 64, "max_num_seqs": 1,
+                                        "llm": {"max_model_len": longest + 64}},
+                         {}, os.path.join(args.log_dir, f"{row.model}-pagedllm-long.log"))
+    try:
+        for context in contexts:
+            reply = engine.single(prompts(400 + context, 1, context)[0], 33)
+            row.ours[f"decode_at_{context}_tok_s"] = (reply["tokens"] - 1) / reply["decode_s"]
+    finally:
+        engine.close()
+
+
+def measure_llamacpp(args: argparse.Namespace, path: str, row: Row) -> None:
+    bench = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-bench")
+    server = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-server")
+    entries = llama_bench(bench, path, args.threads, args.repeats, ["-p", str(PP), "-n", str(NEW)])
+    row.llamacpp["pp512_tok_s"] = bench_rate(entries, PP, 0)
+    row.llamacpp["decode_tok_s"] = bench_rate(entries, 0, NEW)
+    if args.no_streams:
+        return
+    engine = LlamaServerEngine(server, path, args.threads, STREAMS, PROMPT + NEW + 64,
+                               os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
+    try:
+        row.llamacpp["load_s"] = engine.load_s
+        engine.batch(prompts(10, 2, PROMPT), 4)
+        rates = []
+        for r in range(args.repeats):
+            reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
+            rates.append(reply["tokens"] / reply["elapsed"])
+        row.llamacpp["streams16_tok_s"] = median(rates)
+        row.llamacpp["peak_rss_gib"] = engine.memory()["VmHWM"] / 2**30
+    finally:
+        engine.close()
+
+
+def measure_llamacpp_contexts(args: argparse.Namespace, path: str, row: Row, contexts: list[int]) -> None:
+    bench = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-bench")
+    entries = llama_bench(bench, path, args.threads, 1, ["-p", "0", "-n", "32", "-d", ",".join(map(str, contexts))])
+    for context in contexts:
+        row.llamacpp[f"decode_at_{context}_tok_s"] = bench_rate(entries, 0, 32, context)
+
+
+def context_length(path: str) -> int:
+    from pagedllm.models.gguf_loader import read_gguf
+
+    meta = read_gguf(path).metadata
+    return int(meta.get(f"{meta['general.architecture']}.context_length", 0))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def verdicts(row: Row) -> list[tuple[str, float | None, float, bool]]:
+    """(what, value, bar, higher is better) per bar of the issue."""
+    o, c = row.ours, row.llamacpp
+    out = [("decode / llama.cpp", ratio(o.get("decode_tok_s"), c.get("decode_tok_s")), 1.15, True),
+           ("decode / roofline", ratio(o.get("decode_tok_s"), row.roofline_tok_s), 0.80, True),
+           ("pp512 / llama.cpp", ratio(o.get("pp512_tok_s"), c.get("pp512_tok_s")), 1.0, True)]
+    if "streams16_tok_s" in o:
+        out += [("16 streams / llama-server", ratio(o.get("streams16_tok_s"), c.get("streams16_tok_s")), 2.0, True),
+                ("16 streams / our 1 stream", ratio(o.get("streams16_tok_s"), o.get("decode_tok_s")), 4.0, True),
+                ("peak RSS - file (GiB)", o["peak_rss_gib"] - row.file_gib if "peak_rss_gib" in o else None, 1.5,
+                 False),
+                ("load / llama.cpp", ratio(o.get("load_s"), c.get("load_s")), 2.0, False)]
+    return out
+
+
+def report(rows: list[Row], bandwidth: float) -> None:
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for row in rows:
+        print(f"\n{row.model} ({row.file_gib:.2f} GiB, roofline {row.roofline_tok_s or 0:.1f} tok/s)")
+        for key in sorted(set(row.ours) | set(row.llamacpp)):
+            ours, theirs = row.ours.get(key), row.llamacpp.get(key)
+            print(f"  {key:24s} pagedllm {ours if ours is None else round(ours, 2)!s:>8}   "
+                  f"llama.cpp {theirs if theirs is None else round(theirs, 2)!s:>8}")
+        for what, value, bar, higher in verdicts(row):
+            ok = value is not None and (value >= bar if higher else value <= bar)
+            shown = "n/a" if value is None else f"{value:.2f}"
+            print(f"  {'MEETS' if ok else 'MISSES':6s} {what}: {shown} ({'>=' if higher else '<='} {bar})")
+        for error in row.errors:
+            print(f"  error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", required=True, metavar="SHAPE:TYPE",
+                        help=f"shapes {', '.join(SHAPES)}; types q4_0 q4_k_m q8_0 mxfp4")
+    parser.add_argument("--models-dir", default="/work/models")
+    parser.add_argument("--peers-dir", default="/work/peers")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--contexts", nargs="*", type=int, default=[], help="long-context decode (e.g. 8192 32768)")
+    parser.add_argument("--no-streams", action="store_true", help="skip the 16-stream, load and memory figures")
+    parser.add_argument("--skip-short", action="store_true", help="only the --contexts figures")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--log-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "zoo"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.log_dir, exist_ok=True)
+    bandwidth = measure_read_bandwidth(args.threads)
+    print(f"read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    rows = []
+    for spec in args.models:
+        shape, _, kind = spec.partition(":")
+        path = model_path(args.models_dir, shape, kind, pure=False)
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path} missing: .venv/bin/python benchmarks/make_gguf_models.py --models {shape} "
+                             f"--types {kind}")
+        row = Row(spec, path, os.path.getsize(path) / 2**30)
+        row.roofline_tok_s = bandwidth / weight_bytes_per_token(path)
+        rows.append(row)
+        start = time.perf_counter()
+        with open(path, "rb") as f:  # into the page cache: neither engine pays the disk read
+            while f.read(64 << 20):
+                pass
+        print(f"\n=== {spec}: {path} ({row.file_gib:.2f} GiB, cached in {time.perf_counter() - start:.0f} s)",
+              flush=True)
+        steps = [] if args.skip_short else [("llama.cpp", measure_llamacpp), ("pagedllm", measure_ours)]
+        contexts = [c for c in args.contexts if c + 64 <= context_length(path)]
+        if contexts:
+            contexts = [1024, *contexts]
+            steps += [("llama.cpp contexts", lambda a, p, r, c=contexts: measure_llamacpp_contexts(a, p, r, c)),
+                      ("pagedllm contexts", lambda a, p, r, c=contexts: measure_ours_contexts(a, p, r, c))]
+        for name, step in steps:
+            try:
+                step(args, path, row)
+            except Exception as e:  # a failed engine is a row with its error, the run goes on
+                row.errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            print(f"  {name}: pagedllm {row.ours} llama.cpp {row.llamacpp}", flush=True)
+    report(rows, bandwidth)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth_bytes_s": bandwidth, "threads": args.threads, "rows": [asdict(r) for r in rows],
+                       "command": " ".join(sys.argv)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
