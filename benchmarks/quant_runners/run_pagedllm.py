@@ -109,10 +109,11 @@ class PagedLLMRunner:
 def preload() -> None:
     """Libraries, not the model: torch, the C++ extension, transformers' config and tokenizer classes
     (imported lazily on first use, which would otherwise land inside the load time)."""
+    import torch.distributed.tensor  # noqa: F401  (transformers' model configs import it)
     import transformers
     import transformers.utils.type_validators  # noqa: F401  (every model config imports it)
 
-    import pagedllm  # noqa: F401
+    import pagedllm.entrypoints.llm  # noqa: F401  (torch and the engine: ``import pagedllm`` alone is lazy)
 
     transformers.PreTrainedTokenizerFast, transformers.PretrainedConfig  # noqa: B018  (resolve the lazy names)
 

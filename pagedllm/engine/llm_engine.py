@@ -170,16 +170,23 @@ class LLMEngine:
             speculative_config=speculative_config,
         )
         runner = resolve_runner(args.runner, model_config.model)
-        return cls(
-            model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
-            tensor_parallel_size=args.tensor_parallel_size, draft_model_config=draft_model_config,
-            distributed_executor_backend=args.distributed_executor_backend,
-            placement_group_strategy=args.placement_group_strategy,
-            runner=runner,
-            # The checkpoint's own pooling settings are read only when it pools.
-            pooler_config=(args.pooler_config or PoolerConfig()).resolved(model_config.model if runner == "pooling"
-                                                                          else None),
-        )
+        try:
+            return cls(
+                model_config, cache_config, scheduler_config, tokenizer, device, args.seed, args.num_threads,
+                tensor_parallel_size=args.tensor_parallel_size, draft_model_config=draft_model_config,
+                distributed_executor_backend=args.distributed_executor_backend,
+                placement_group_strategy=args.placement_group_strategy,
+                runner=runner,
+                # The checkpoint's own pooling settings are read only when it pools.
+                pooler_config=(args.pooler_config or PoolerConfig()).resolved(
+                    model_config.model if runner == "pooling" else None),
+            )
+        finally:
+            if model_config.gguf_file:
+                from pagedllm.models.gguf_loader import forget_parsed_gguf
+
+                # The config, the tokenizer and the weights were read from one parse of the header.
+                forget_parsed_gguf()
 
     # ------------------------------------------------------------------ requests
 

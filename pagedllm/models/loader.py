@@ -282,7 +282,7 @@ def _load_hf_config(folder: str) -> Any:
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
     """The transformers tokenizer of the model (``tokenizer_path``: an HF folder or a .gguf file)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     source = model_config.tokenizer_path or model_config.gguf_file or model_config.model
     # A tokenizer folder (tokenizer files, no model) is taken as it is; anything else is a model path.
@@ -291,10 +291,9 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         source = resolve_model_path(source)
     try:
         if is_gguf_path(source):
-            # The fast tokenizer class directly: AutoTokenizer would first re-parse the whole GGUF
-            # for its config with gguf.GGUFReader (~8 s instead of ~1 s), then build the same tokenizer.
-            folder, name = os.path.split(source)
-            return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            from pagedllm.models.gguf_tokenizer import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(source)
         if not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
             raise ValueError(
                 f"Model folder {source!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
@@ -388,12 +387,18 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
         from pagedllm.quantization.apply import settle_packed_weights
         from pagedllm.quantization.int8_tiles import resolve_int8_activations
 
-        settle_packed_weights(model, device, resolve_int8_activations(model_config.int8_activations, device))
+        # Tiled parts stay apart until the arena has placed them back to back (joined without a copy).
+        settle_packed_weights(model, device, resolve_int8_activations(model_config.int8_activations, device),
+                              merge_tiles=False)
     elif model_config.int8_activations:
         raise ValueError("int8_activations=True needs quantized weights: a GGUF file, or quantization='int8' / 'int4'.")
     pack_linears(model, device, model_config.dtype)
     if device.type == "cpu":
         move_weights_to_arena(model)
+    if packed:
+        from pagedllm.quantization.apply import merge_tiled_segments
+
+        merge_tiled_segments(model)
     return model.eval()
 
 

@@ -26,11 +26,13 @@ from torch import nn
 
 from pagedllm.kernels.huge_pages import huge_page_buffer, huge_pages_enabled
 from pagedllm.layers.cpu_gemm import PanelWeight
+from pagedllm.models.mapped_file import release_pages
 from pagedllm.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # a cache line: what the kernels' vector loads assume at most
+_TRIM_EVERY = 64 << 20  # bytes of old copies freed between returns of free memory to the system
 # A weight tensor and the function that puts its moved copy in its place.
 Slot = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
@@ -45,13 +47,22 @@ def move_weights_to_arena(model: nn.Module) -> int:
     sizes = [_aligned(tensor.numel() * tensor.element_size()) for tensor, _ in slots]
     total = sum(sizes)
     arena = huge_page_buffer(total)
-    offset = 0
-    for (tensor, replace), size in zip(slots, sizes, strict=True):
+    offset = freed = 0
+    for i, size in enumerate(sizes):
+        tensor, replace = slots[i]
+        slots[i] = None  # the old copy goes as soon as it is replaced, not after the last one
         nbytes = tensor.numel() * tensor.element_size()
         moved = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
         moved.copy_(tensor)
         replace(moved)
+        release_pages(tensor)  # a weight used where it lay in a mapped file
+        del tensor, replace
         offset += size
+        freed += nbytes
+        if freed >= _TRIM_EVERY:
+            # The arena fills as the old copies empty: the process holds the weights about once.
+            _return_freed_memory()
+            freed = 0
     del slots
     _return_freed_memory()
     logger.info("CPU weights: %.1f MiB in one huge-page arena", total / 2**20)

@@ -7,7 +7,7 @@ weight. The ids are ggml's type numbers for the GGUF types; the C++ kernels
 (``kernels/csrc/quant_linear_cpu.cpp``) use the same ids.
 
 ``dequantize`` here is the torch reference (and the fallback on CUDA, without the C++ kernels,
-and for formats they would not implement: ``CPU_KERNEL_FORMAT_IDS``, today every format here): the same float values gguf-py's
+and for a format outside ``CPU_KERNEL_FORMAT_IDS``, today none): the same float values gguf-py's
 numpy dequantizer gives.
 """
 

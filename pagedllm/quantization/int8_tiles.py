@@ -31,6 +31,10 @@ from pagedllm.kernels import cpu_kernels
 from pagedllm.kernels.invariance import int8_amx_min_rows
 from pagedllm.quantization.formats import Format
 
+# Output rows per panel of the tiling (kPanel in the kernels): a weight's tiling is its panels in
+# row order, so the tilings of parts of whole panels, one after another, are the whole's.
+PANEL_ROWS = 16
+
 
 @dataclass(slots=True)
 class Int8TiledTensor:
@@ -91,5 +95,7 @@ def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8Tile
     """The int8 tiling of packed rows, or None where this format / shape cannot be tiled on this CPU."""
     module = cpu_kernels()
     if in_features % 32 or not module.int8_tiling_supported(fmt.id):
+        return None
+    if not module.int8_tiling_exact(data, fmt.id, in_features):  # an MXFP4 scale no fp16 holds
         return None
     return Int8TiledTensor(module.int8_tile_weight(data, fmt.id, in_features), fmt, data.shape[0], in_features)
