@@ -14,8 +14,8 @@ from gguf_models import KV_HEADS, Q4_K_M, write_tiny_llama_gguf
 
 from pagedllm.models import build_model, gguf_loader, load_model_config, load_tokenizer
 from pagedllm.models.gguf_loader import forget_parsed_gguf, iter_gguf_weights, read_gguf
-from pagedllm.models.mapped_file import as_tensor, in_mapped_file, map_file, release_pages
 from pagedllm.quantization import apply
+from pagedllm.quantization.mapped_file import as_tensor, in_mapped_file, map_file, release_pages
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 VOCAB = 211

@@ -6,7 +6,7 @@ Arrays of fixed-size values come out of one ``numpy.frombuffer``, arrays of stri
 loop over the header's bytes (a 128k-token vocabulary and 49k merges: ~0.15 s, where a call per
 element took ~1.3 s), and a load parses each file once: ``read_gguf`` keeps its last answer for
 the same unchanged file (the config, the tokenizer and the weights all start from it). Packed
-tensors are views of one read-only mapping of the file (models/mapped_file.py), not copies.
+tensors are views of one read-only mapping of the file (quantization/mapped_file.py), not copies.
 Tensor data is dequantized with ``gguf.quants.dequantize``.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.models.mapped_file import as_tensor, map_file
 from pagedllm.quantization.formats import GGUF_PACKED_TYPES, MXFP4
+from pagedllm.quantization.mapped_file import as_tensor, map_file
 from pagedllm.quantization.packed import PackedTensor
 
 logger = logging.getLogger(__name__)

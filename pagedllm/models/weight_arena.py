@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedllm.kernels.huge_pages import huge_page_buffer, huge_pages_enabled
 from pagedllm.layers.cpu_gemm import PanelWeight
-from pagedllm.models.mapped_file import release_pages
+from pagedllm.quantization.mapped_file import release_pages
 from pagedllm.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from torch import nn
 
 from pagedllm.layers.cpu_gemm import PackableLinear
 from pagedllm.layers.parallel_layers import VocabParallelEmbedding
-from pagedllm.models.mapped_file import release_pages
 from pagedllm.quantization.int8_tiles import PANEL_ROWS as _PANEL_ROWS
 from pagedllm.quantization.int8_tiles import Int8TiledTensor, tile_for_int8
+from pagedllm.quantization.mapped_file import release_pages
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
 
