@@ -105,6 +105,17 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def streams_rate(engine: Any, repeats: int) -> float | None:
+    """Median aggregate output tok/s of STREAMS concurrent streams, after a short warm-up batch; the
+    same prompts for every engine."""
+    engine.batch(prompts(10, 2, PROMPT), 4)
+    rates = []
+    for r in range(repeats):
+        reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
+        rates.append(reply["tokens"] / reply["elapsed"])
+    return median(rates)
+
+
 def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
     kv_tokens = STREAMS * (PROMPT + NEW) + PP
     engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
@@ -122,12 +133,7 @@ def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
             pp.append(PP / reply["prefill_s"])
         row.ours["decode_tok_s"], row.ours["pp512_tok_s"] = median(decode), median(pp)
         if not args.no_streams:
-            engine.batch(prompts(10, 2, PROMPT), 4)
-            rates = []
-            for r in range(args.repeats):
-                reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
-                rates.append(reply["tokens"] / reply["elapsed"])
-            row.ours["streams16_tok_s"] = median(rates)
+            row.ours["streams16_tok_s"] = streams_rate(engine, args.repeats)
         memory = engine.memory()
         row.ours["peak_rss_gib"] = memory["VmHWM"] / 2**30
         row.ours["weight_gib"] = (memory.get("weight_bytes") or 0) / 2**30
@@ -161,12 +167,7 @@ def measure_llamacpp(args: argparse.Namespace, path: str, row: Row) -> None:
                                os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
     try:
         row.llamacpp["load_s"] = engine.load_s
-        engine.batch(prompts(10, 2, PROMPT), 4)
-        rates = []
-        for r in range(args.repeats):
-            reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
-            rates.append(reply["tokens"] / reply["elapsed"])
-        row.llamacpp["streams16_tok_s"] = median(rates)
+        row.llamacpp["streams16_tok_s"] = streams_rate(engine, args.repeats)
         row.llamacpp["peak_rss_gib"] = engine.memory()["VmHWM"] / 2**30
     finally:
         engine.close()
