@@ -5,10 +5,13 @@ run the same GGUF with the same threads:
 - llama.cpp's ``llama-bench`` (flash attention on): prompt processing of a 512-token prompt (pp512)
   and single-stream decode of 128 tokens (tg128), ``--repeats`` runs each;
 - llama.cpp's ``llama-server --parallel 16``: load time (start to /health ready), peak RSS, and
-  the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens);
+  the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens), with a
+  KV cache of 16 x 320 float16 cells;
 - pagedllm (``LLM(model=FILE)`` in its own process, benchmarks/quant_runners/run_pagedllm.py): load
   time, peak RSS, single-stream decode (128-token prompt, 128 new tokens, decode time only), pp512
-  (the 512-token prompt's pass: arrival to first token), and 16 streams' aggregate.
+  (the 512-token prompt's pass: arrival to first token), and 16 streams' aggregate, over the same
+  KV cells as llama-server's in the same type (``--kv-cache-dtype``, float16 as llama.cpp's default
+  f16 cache; pagedllm's "auto" would store float32, its activation type on a CPU).
 The roofline of single-stream decode is read bandwidth (benchmarks/bandwidth.py, measured first,
 on the idle machine) over the weight bytes one token reads (a MoE's experts counted at
 top-k / n_expert). ``--contexts 8192 32768`` adds single-stream decode at those context lengths
@@ -49,6 +52,7 @@ from quant_engines import ChildEngine, LlamaServerEngine  # noqa: E402
 
 TOKEN_LOW, TOKEN_HIGH = 100, 30000  # prompt ids: real tokens of every zoo vocabulary
 PROMPT, NEW, STREAMS, PP = 128, 128, 16, 512
+SLOT_TOKENS = PROMPT + NEW + 64  # llama-server's cells per slot; both engines hold STREAMS x this
 
 
 @dataclass
@@ -117,10 +121,9 @@ def streams_rate(engine: Any, repeats: int) -> float | None:
 
 
 def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
-    kv_tokens = STREAMS * (PROMPT + NEW) + PP
     engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
-                         args.threads, {"kv_tokens": kv_tokens, "max_num_seqs": STREAMS,
-                                        "llm": {"max_model_len": PP + NEW}},
+                         args.threads, {"kv_tokens": STREAMS * SLOT_TOKENS, "max_num_seqs": STREAMS,
+                                        "llm": {"max_model_len": PP + NEW, "kv_cache_dtype": args.kv_cache_dtype}},
                          {}, os.path.join(args.log_dir, f"{row.model}-pagedllm.log"))
     try:
         row.ours["load_s"] = engine.load_s
@@ -145,7 +148,7 @@ def measure_ours_contexts(args: argparse.Namespace, path: str, row: Row, context
     longest = max(contexts)
     engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
                          args.threads, {"kv_tokens": longest + 64, "max_num_seqs": 1,
-                                        "llm": {"max_model_len": longest + 64}},
+                                        "llm": {"max_model_len": longest + 64, "kv_cache_dtype": args.kv_cache_dtype}},
                          {}, os.path.join(args.log_dir, f"{row.model}-pagedllm-long.log"))
     try:
         for context in contexts:
@@ -163,7 +166,7 @@ def measure_llamacpp(args: argparse.Namespace, path: str, row: Row) -> None:
     row.llamacpp["decode_tok_s"] = bench_rate(entries, 0, NEW)
     if args.no_streams:
         return
-    engine = LlamaServerEngine(server, path, args.threads, STREAMS, PROMPT + NEW + 64,
+    engine = LlamaServerEngine(server, path, args.threads, STREAMS, SLOT_TOKENS,
                                os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
     try:
         row.llamacpp["load_s"] = engine.load_s
@@ -229,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models-dir", default="/work/models")
     parser.add_argument("--peers-dir", default="/work/peers")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="float16",
+                        help="pagedllm's KV cache type (llama.cpp keeps its default f16 cache)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contexts", nargs="*", type=int, default=[], help="long-context decode (e.g. 8192 32768)")
     parser.add_argument("--no-streams", action="store_true", help="skip the 16-stream, load and memory figures")
@@ -270,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     report(rows, bandwidth)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth_bytes_s": bandwidth, "threads": args.threads, "rows": [asdict(r) for r in rows],
+            json.dump({"bandwidth_bytes_s": bandwidth, "threads": args.threads, "kv_cache_dtype": args.kv_cache_dtype,
+                       "rows": [asdict(r) for r in rows],
                        "command": " ".join(sys.argv)}, f, indent=1)
     return 0
 

@@ -438,9 +438,10 @@ class EngineArgs:
     )
     kv_cache_dtype: str = setting(
         "auto", "memory and KV cache",
-        "KV cache storage: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8 or int4, each with scales per "
-        "token and KV head (int4: per 32 values); 8 bits hold ~1.94x the tokens of bfloat16 in the same memory, "
-        "int4 ~3.2x.",
+        "KV cache storage: auto (the model dtype), bfloat16 or float16 (16-bit values whatever the model computes "
+        "in: half a float32 model's KV bytes), or quantized: fp8 (= fp8_e4m3), fp8_e5m2, int8 or int4, each with "
+        "scales per token and KV head (int4: per 32 values); 8 bits hold ~1.94x the tokens of bfloat16 in the same "
+        "memory, int4 ~3.2x.",
         choices=KV_CACHE_DTYPES,
     )
     swap_space: int | str = setting(

@@ -1,7 +1,8 @@
-"""Quantized KV caches (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2, int4): the kernels write the bytes the
-torch reference writes, and every attention path (the decode kernel, the chunked kernel, the AMX
-prompt kernel where it runs, the torch path a GPU takes, sliding windows and soft caps) equals
-attention over the reference's dequantized states, to float tolerance, at every kernel level."""
+"""Quantized KV caches (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2, int4) and 16-bit ones under wider
+queries (bfloat16, float16): the kernels write the bytes the torch reference writes, and every
+attention path (the decode kernel, the chunked kernel, the AMX prompt kernel where it runs, the torch
+path a GPU takes, sliding windows and soft caps) equals attention over the reference's dequantized
+states, to float tolerance, at every kernel level."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ from pagedllm.kernels.attention import prompt_attention_amx
 from pagedllm.kv_cache_format import FORMATS, parse_kv_cache_dtype
 
 QUANTIZED = [name for name, fmt in FORMATS.items() if fmt.quantized]
+SIXTEEN_BIT = [name for name, fmt in FORMATS.items() if fmt.storage is not None and not fmt.quantized]
+STORED = QUANTIZED + SIXTEEN_BIT  # every format that is not the model dtype as it is
+
+
+def _to_pool(x: torch.Tensor, fmt, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """States as a pool of ``fmt`` stores them: quantized rows, or values rounded to a 16-bit type."""
+    if fmt.quantized:
+        return quantize_rows(x, fmt, offset)
+    assert offset is None
+    return x.to(storage_dtype(fmt))
+
+
+def _from_pool(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A pool's rows as float32 values."""
+    return dequantize_rows(cache, head_dim, torch.float32) if cache.dtype.itemsize == 1 else cache.float()
 
 
 def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -41,6 +57,9 @@ def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> t
 def test_names_follow_vllm() -> None:
     assert parse_kv_cache_dtype("fp8").name == "fp8_e4m3"
     assert not parse_kv_cache_dtype("auto").quantized
+    assert SIXTEEN_BIT == ["bfloat16", "float16"]
+    for name in SIXTEEN_BIT:  # plain 16-bit values: half of float32's bytes, no scales
+        assert FORMATS[name].row_bytes(64, 4) == 128 and FORMATS[name].pool_row(64) == 64
     config = CacheConfig(kv_cache_dtype="fp8")
     assert config.kv_cache_dtype == "fp8_e4m3" and config.kv_cache_format is FORMATS["fp8_e4m3"]
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
@@ -105,15 +124,17 @@ def test_int4_needs_a_head_size_in_groups_of_32() -> None:
         quantize_rows(torch.zeros(1, 80), FORMATS["int4"])
 
 
-@pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", QUANTIZED)
+# Key offsets belong to the quantized formats; the 16-bit ones are written as they are.
+@pytest.mark.parametrize("name, with_offset",
+                         [(name, False) for name in STORED] + [(name, True) for name in QUANTIZED])
 @pytest.mark.parametrize("path", [p for p in kernel_paths() if p != "torch"])
 def test_cache_write_kernel_writes_the_reference_bytes(path: str, name: str, dtype: torch.dtype,
                                                        with_offset: bool) -> None:
-    """The C++ scatter quantizes exactly as kv_quant.quantize_rows (the same float32 operations), from
-    strided rows of a fused qkv output, less the key offset when there is one, and leaves every other
-    slot alone; the torch path writes the same bytes."""
+    """The C++ scatter quantizes exactly as kv_quant.quantize_rows (the same float32 operations), or
+    rounds to a 16-bit type as torch does, from strided rows of a fused qkv output, less the key offset
+    when there is one (integer formats), and leaves every other slot alone; the torch path writes the
+    same bytes."""
     with at_path(path):
         _check_cache_write(name, dtype, with_offset)
 
@@ -131,8 +152,8 @@ def _check_cache_write(name: str, dtype: torch.dtype, with_offset: bool) -> None
     slots = torch.tensor([3, 17, 0, 23, 9])
     offset = _states(heads, dim, seed=2) if with_offset else None
     expected_k, expected_v = k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()
-    expected_k.view(-1, heads, row).index_copy_(0, slots, quantize_rows(key, fmt, offset).view(torch.uint8))
-    expected_v.view(-1, heads, row).index_copy_(0, slots, quantize_rows(value, fmt).view(torch.uint8))
+    expected_k.view(-1, heads, row).index_copy_(0, slots, _to_pool(key, fmt, offset).view(torch.uint8))
+    expected_v.view(-1, heads, row).index_copy_(0, slots, _to_pool(value, fmt).view(torch.uint8))
     write_to_cache(key, value, k_cache, v_cache, slots, offset)
     assert torch.equal(k_cache.view(torch.uint8), expected_k)
     assert torch.equal(v_cache.view(torch.uint8), expected_v)
@@ -150,7 +171,7 @@ def _quantized_case(seed: int, kind: str, fmt, head_dim: int, window: int | None
     block_size = 4
     k_float, v_float, seqs = _make_case(seed, kind, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                         block_size=block_size, released=window is not None)
-    k_cache, v_cache = quantize_rows(k_float, fmt), quantize_rows(v_float, fmt)
+    k_cache, v_cache = _to_pool(k_float, fmt), _to_pool(v_float, fmt)
     total_new = sum(new for _, new, _ in seqs)
     gen = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(total_new, num_heads * head_dim, generator=gen).to(query_dtype)
@@ -180,8 +201,8 @@ def _check_against_reference(path: str, kind: str, name: str, head_dim: int, win
         attn.key_offset = offset
         out = attn(query, key, value, (k_cache, v_cache), meta).view(-1, num_heads, head_dim)
         # The step's rows were quantized into the pool; the reference attends over the dequantized pool.
-        k_ref = dequantize_rows(k_cache, head_dim, torch.float32)
-        v_ref = dequantize_rows(v_cache, head_dim, torch.float32)
+        k_ref = _from_pool(k_cache, head_dim)
+        v_ref = _from_pool(v_cache, head_dim)
         expected_new = roundtrip(key.float().view(-1, num_kv_heads, head_dim), fmt, offset)
         assert torch.equal(k_ref.view(-1, num_kv_heads, head_dim)[meta.slot_mapping], expected_new)
         if offset is not None and seed % 2:
@@ -195,7 +216,7 @@ def _check_against_reference(path: str, kind: str, name: str, head_dim: int, win
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", STORED)
 @pytest.mark.parametrize("path", kernel_paths())
 def test_decode_reads_quantized_rows(path: str, name: str, head_dim: int) -> None:
     """The decode kernel decodes rows in registers (head sizes 64 and 128 on the AVX-512 loops, 96 on
@@ -216,7 +237,7 @@ def test_key_offset_is_stored_and_invisible(path: str, name: str, kind: str) -> 
         _check_against_reference(path, kind, name, 64, key_offset=True, seeds=range(4))
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", STORED)
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("path", kernel_paths())
 def test_mixed_batches_read_quantized_rows(path: str, invariant: bool, name: str) -> None:
@@ -229,7 +250,7 @@ def test_mixed_batches_read_quantized_rows(path: str, invariant: bool, name: str
 
 
 @pytest.mark.parametrize("window, soft_cap", [(5, None), (None, 2.0), (8, 2.0)])
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4", "float16"])
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("path", kernel_paths())
 def test_windows_and_soft_caps_over_quantized_rows(path: str, invariant: bool, name: str, window, soft_cap) -> None:
@@ -238,7 +259,7 @@ def test_windows_and_soft_caps_over_quantized_rows(path: str, invariant: bool, n
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4", "bfloat16"])
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("path", kernel_paths())
 def test_sinks_over_quantized_rows(path: str, invariant: bool, name: str, window) -> None:
@@ -250,7 +271,7 @@ def test_sinks_over_quantized_rows(path: str, invariant: bool, name: str, window
             level.assert_ran("paged_decode_attention" if invariant else "paged_chunked_attention")
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", [*QUANTIZED, "float16"])
 def test_bfloat16_queries_over_quantized_rows(name: str) -> None:
     with use_kernel_config(batch_invariant=False):
         _check_against_reference("cpu", "mixed", name, 64, query_dtype=torch.bfloat16, seeds=range(3))

@@ -1,4 +1,4 @@
-"""The engine over a quantized KV cache: the block mechanisms move scales with their blocks
+"""The engine over a quantized or 16-bit KV cache: the block mechanisms move scales with their blocks
 (copy-on-write for n and beams, swapping, prefix caching, recomputation), so a run squeezed through
 a tight pool equals an unconstrained one token for token; the one-call layer loop equals the Python
 layers; the CPU kernels equal the torch path; and the real default model keeps its predictions."""
@@ -16,6 +16,7 @@ from pagedllm.kernels import cpu_kernels, use_kernel_config
 from pagedllm.models.layer_stack import LayerStack
 
 KV_DTYPES = ["int8", "fp8", "int4"]
+SIXTEEN_BIT = ["bfloat16", "float16"]  # under a float32 model: half its KV bytes, values rounded as written
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +30,22 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     return [torch.tensor([next(iter(d.values())) for d in o.prompt_logprobs[1:]]) for o in outputs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES + SIXTEEN_BIT)
 def test_pool_holds_the_quantized_format(llama_dir, kv_cache_dtype: str) -> None:
-    """The pool's dtype names the format, its rows hold values and scales, and a head size int4's
-    groups do not divide is refused at start-up."""
-    llm = LLM(model=llama_dir, num_kv_blocks=32, block_size=BS, kv_cache_dtype=kv_cache_dtype)
+    """The pool's dtype names the format, its rows hold values and scales (16-bit formats: the values,
+    half a float32 pool's bytes), and a head size int4's groups do not divide is refused at start-up."""
+    llm = LLM(model=llama_dir, num_kv_blocks=32, block_size=BS, dtype="float32", kv_cache_dtype=kv_cache_dtype)
     cache = llm.llm_engine.worker.cache_engine
-    storage = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[kv_cache_dtype]
+    storage = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8, "bfloat16": torch.bfloat16,
+               "float16": torch.float16}[kv_cache_dtype]
     assert cache.gpu_pool.dtype == storage
     head_dim = llm.llm_engine.worker.model_config.head_dim
-    assert cache.gpu_pool.shape[-1] == cache.kv_format.row_bytes(head_dim)
+    assert cache.gpu_pool.shape[-1] == cache.kv_format.pool_row(head_dim)
+    stats = llm.llm_engine.get_stats()
+    assert stats["kv_cache_storage"] == (kv_cache_dtype if kv_cache_dtype in SIXTEEN_BIT else stats["kv_cache_dtype"])
+    if kv_cache_dtype in SIXTEEN_BIT:
+        auto = LLM(model=llama_dir, num_kv_blocks=32, block_size=BS, dtype="float32")
+        assert 2 * stats["kv_bytes_per_token"] == auto.llm_engine.get_stats()["kv_bytes_per_token"]
 
 
 def test_int4_refuses_heads_its_groups_do_not_divide(tiny_model_factory) -> None:
@@ -48,7 +55,7 @@ def test_int4_refuses_heads_its_groups_do_not_divide(tiny_model_factory) -> None
 
 @pytest.mark.parametrize(
     "kv_cache_dtype, mode, swap_space",
-    [("int8", "swap", "1MiB"), ("int4", "auto", "1MiB"), ("fp8", "recompute", 0)],
+    [("int8", "swap", "1MiB"), ("int4", "auto", "1MiB"), ("fp8", "recompute", 0), ("float16", "swap", "1MiB")],
 )
 def test_tight_pool_equals_unconstrained(llama_dir, kv_cache_dtype: str, mode: str, swap_space) -> None:
     """n samples and beams (copy-on-write), preemption by swap and by recomputation: the same tokens
@@ -86,7 +93,7 @@ def test_prefix_hits_read_the_cached_quantized_blocks(llama_dir, kv_cache_dtype:
     assert_no_leaks(cached)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "bfloat16", "float16"])
 def test_layer_loop_equals_python_layers(llama_dir, kv_cache_dtype: str, monkeypatch) -> None:
     require_kernels()
     prompts = _random_prompts([9, 30, 17], seed=3)
@@ -106,7 +113,7 @@ def test_layer_loop_equals_python_layers(llama_dir, kv_cache_dtype: str, monkeyp
         assert g.outputs[0].logprobs == e.outputs[0].logprobs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES + SIXTEEN_BIT)
 def test_cpu_kernels_equal_the_torch_path(llama_dir, kv_cache_dtype: str) -> None:
     """Teacher-forced log-probabilities of the kernels (in-register decoding) against the torch path
     (the reference quantizer and dequantizer, what a GPU runs). The two paths' projections differ in
@@ -173,7 +180,8 @@ DEFAULT_MODEL_TEXT = (
 )
 
 
-@pytest.mark.parametrize("kv_cache_dtype, bar", [("int8", 0.98), ("fp8_e4m3", 0.9), ("int4", 0.8)])
+@pytest.mark.parametrize("kv_cache_dtype, bar",
+                         [("int8", 0.98), ("fp8_e4m3", 0.9), ("int4", 0.8), ("bfloat16", 0.98), ("float16", 0.99)])
 def test_default_model_keeps_its_predictions(kv_cache_dtype: str, bar: float) -> None:
     """The real default model, teacher-forced over a paragraph: the quantized cache's top-1 tokens
     agree with the float cache's. float32 with float activations, so that the cache is the only

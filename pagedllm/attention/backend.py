@@ -212,17 +212,18 @@ def write_to_cache(
         value = quantize_rows(value, fmt).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, row = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value)
+    # A 16-bit cache under a float32 model stores the states rounded to its type.
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def gather_from_cache(
     cache: torch.Tensor, block_tables: torch.Tensor, length: int, head_dim: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, length, Hkv, D] token states in logical order. A quantized
-    cache's rows are dequantized into ``dtype`` (``head_dim`` values each): the temporary holds this
-    step's context only."""
+    """[B, max_blocks] block ids -> [B, length, Hkv, D] token states in logical order, in ``dtype``
+    (None: the cache's). A quantized cache's rows are dequantized (``head_dim`` values each): the
+    temporary holds this step's context only."""
     batch = block_tables.shape[0]
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
@@ -231,7 +232,7 @@ def gather_from_cache(
     gathered = source[block_tables[:, :num_blocks]]  # [B, nb, bs, Hkv, row]
     rows = gathered.view(batch, num_blocks * block_size, cache.shape[2], cache.shape[3])[:, :length]
     if not quantized:
-        return rows
+        return rows if dtype is None else rows.to(dtype)
     return dequantize_rows(rows.view(cache.dtype), head_dim, dtype)
 
 
@@ -394,7 +395,7 @@ class PagedAttention(nn.Module):
         cache (the chunk's own keys are there already; released blocks read as block 0 and fall
         outside the window mask)."""
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if meta.num_cached_tokens[i] == 0 and cache_format(kv_cache[0]) is None:
+        if meta.num_cached_tokens[i] == 0 and kv_cache[0].dtype == query.dtype:
             out[start:end] = self._causal(query, key, value, start, end)
             return
         total = meta.num_cached_tokens[i] + end - start

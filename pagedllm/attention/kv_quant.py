@@ -1,4 +1,5 @@
-"""KV cache storage formats: the model dtype as it is, or 8 / 4 bits with their scales inside each row.
+"""KV cache storage formats: the model dtype as it is, a 16-bit float type (bfloat16, float16), or 8 / 4
+bits with their scales inside each row.
 
 A quantized pool keeps the layout of a float one, ``[num_blocks, block_size, num_kv_heads, row]``,
 where one row (one token, one KV head) holds the head's quantized values followed by the scales
@@ -41,7 +42,7 @@ from pagedllm.kv_cache_format import FORMATS, INT4_GROUP, KVCacheFormat
 
 
 def storage_dtype(fmt: KVCacheFormat) -> torch.dtype:
-    """The torch dtype a quantized format's pool is stored as."""
+    """The torch dtype a format's pool is stored as (quantized or 16-bit float; not "auto")."""
     return getattr(torch, fmt.storage)
 
 
@@ -55,7 +56,7 @@ def cache_format(cache: torch.Tensor) -> KVCacheFormat | None:
 
 def pool_storage(fmt: KVCacheFormat, model_dtype: torch.dtype) -> torch.dtype:
     """What a pool of ``fmt`` is allocated as: the model dtype for "auto"."""
-    return storage_dtype(fmt) if fmt.quantized else model_dtype
+    return storage_dtype(fmt) if fmt.storage is not None else model_dtype
 
 
 def hadamard_block(head_dim: int) -> int:
@@ -146,8 +147,10 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype, rotat
 
 
 def roundtrip(x: torch.Tensor, fmt: KVCacheFormat | None, offset: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` as a cache of ``fmt`` gives it back (x itself for a float cache); with an ``offset``,
-    ``x - offset`` is what comes back."""
-    if fmt is None or not fmt.quantized:
+    """``x`` as a cache of ``fmt`` gives it back (x itself for "auto", x rounded to a 16-bit format's
+    type); with an ``offset``, ``x - offset`` is what comes back."""
+    if fmt is None or fmt.storage is None:
         return x
+    if not fmt.quantized:
+        return x.to(storage_dtype(fmt)).to(x.dtype)
     return dequantize_rows(quantize_rows(x, fmt, offset), x.shape[-1], x.dtype)

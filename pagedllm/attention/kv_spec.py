@@ -37,4 +37,4 @@ class KVCacheSpec:
         """Bytes one token takes over all layers and pools, scales included."""
         if not self.is_latent:
             return fmt.bytes_per_token(self.head_dim, self.num_heads, num_layers, dtype.itemsize)
-        return num_layers * self.num_heads * self.head_dim * dtype.itemsize
+        return num_layers * self.num_heads * self.head_dim * fmt.value_bytes(dtype.itemsize)

@@ -14,7 +14,8 @@ the head's value space. Prompt chunks, whose many queries would each pay that pe
 the whole context, expand their context's rows into K and V once and run torch's SDPA, causal
 within the chunk. Both read the step's own rows from the cache, which is written first.
 
-Only a float cache in the model dtype is supported (kv_spec.py refuses a quantized one). Under
+Only a float cache is supported, in the model dtype or a 16-bit type ("bfloat16", "float16": rows
+are read back in the model dtype); kv_spec.py refuses a quantized one. Under
 batch invariance (kernels/invariance.py) on a CPU, decodes attend one sequence at a time over its
 own context, so a decode's result does not follow the batch; a prompt chunk's still follows how the
 prompt was split (a row in a chunk is reduced with the chunk's other rows).
@@ -35,13 +36,13 @@ def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
-def gather_latent(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, length, width] latent rows in logical order (a temporary
-    holding this step's context only)."""
+def gather_latent(cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, length, width] latent rows in logical order, in ``dtype`` (a
+    temporary holding this step's context only)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
     gathered = cache[block_tables[:, :num_blocks]]  # [B, nb, bs, 1, width]
-    return gathered.view(block_tables.shape[0], num_blocks * block_size, cache.shape[-1])[:, :length]
+    return gathered.view(block_tables.shape[0], num_blocks * block_size, cache.shape[-1])[:, :length].to(dtype)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -80,9 +81,9 @@ class MultiHeadLatentAttention(nn.Module):
             if num_new > 1:
                 start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
                 cached = meta.num_cached_tokens[i]
-                # With nothing cached the chunk's own rows are its whole context: no gather needed.
-                context = rows[start:end] if cached == 0 else gather_latent(cache, meta.block_tables[i:i + 1],
-                                                                            cached + num_new)[0]
+                # With nothing cached the chunk's own rows, as stored, are its whole context: no gather needed.
+                context = (rows[start:end].to(cache.dtype).to(rows.dtype) if cached == 0
+                           else gather_latent(cache, meta.block_tables[i:i + 1], cached + num_new, rows.dtype)[0])
                 out[start:end] = self._expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight, cached)
         return out.reshape(num_tokens, -1)
 
@@ -108,7 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self._split_kv_b(kv_b_weight)
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [B, H, rank + rope]: scores against the whole row
-        context = gather_latent(cache, meta.block_tables, meta.max_context_len)  # [B, L, rank + rope]
+        context = gather_latent(cache, meta.block_tables, meta.max_context_len, query.dtype)  # [B, L, rank + rope]
         scores = torch.matmul(query, context.transpose(1, 2)) * self.scale  # [B, H, L]
         positions = torch.arange(context.shape[1], device=query.device)
         past_end = positions[None, :] >= meta.context_lens[:, None]  # padding of shorter sequences

@@ -16,7 +16,7 @@ def kv_cache_info(
 ) -> dict[str, Any]:
     """What the KV pool stores and how big it is, for the start-up log, get_stats(), /metrics and the dashboard.
 
-    ``kv_cache_dtype`` is the setting ("auto" or a quantized format, canonical name);
+    ``kv_cache_dtype`` is the setting ("auto", a 16-bit float type or a quantized format, canonical name);
     ``kv_cache_storage`` what a value is stored as (the model dtype for "auto"). Bytes are this
     rank's share under tensor parallelism (each rank holds its own KV heads); a draft model's layers,
     which share each block, are counted in.
@@ -28,7 +28,7 @@ def kv_cache_info(
     per_token = block_bytes // cache_config.block_size
     return {
         "kv_cache_dtype": fmt.name,
-        "kv_cache_storage": fmt.name if fmt.quantized else str(model_config.dtype).removeprefix("torch."),
+        "kv_cache_storage": fmt.name if fmt.storage is not None else str(model_config.dtype).removeprefix("torch."),
         "kv_bytes_per_token": per_token,
         "kv_block_bytes": block_bytes,
         "kv_gpu_pool_bytes": block_bytes * num_gpu_blocks,

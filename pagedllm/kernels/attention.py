@@ -32,7 +32,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """[B, Hq, D] attention output, or None when the kernel cannot serve this call. The caches hold
-    rows in the query's dtype or a quantized format (attention/kv_quant.py), decoded as read.
+    rows in the query's dtype, in bfloat16 / float16, or in a quantized format (attention/kv_quant.py), decoded as read.
 
     ``sliding_window`` > 0: only each sequence's last that many positions are attended;
     ``logits_soft_cap`` > 0: scores become cap * tanh(score / cap) before the softmax;

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.kv_quant import cache_format
 from pagedllm.kernels import cpu_kernels, kernel_config
 from pagedllm.kernels.codes import DECODE_KERNEL
 from pagedllm.kernels.invariance import batch_invariant, int8_amx_min_rows
@@ -73,8 +72,6 @@ class LayerStack:
         or None when the Python layers must run the step."""
         if not all(attn.use_cpu_kernel for attn in self.attentions):
             return None  # switched off since the stack was built (tests compare the torch path)
-        if k_cache.dtype != hidden.dtype and cache_format(k_cache) is None:
-            return None
         if meta.is_all_decode:
             parts = [(DECODE_KERNEL, meta)]
         elif batch_invariant():  # as the Python layers attend: every row as a decode at its position

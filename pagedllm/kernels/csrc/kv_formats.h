@@ -99,12 +99,14 @@ inline void hadamard(float* x, int64_t head_dim, int shift) {
   for (int64_t d = 0; d < head_dim; ++d) x[d] *= factor;
 }
 
-// Rows in the model's float type, read as they are.
+// Rows of plain float values: in the model's float type, or in a 16-bit type (bfloat16, float16)
+// under a wider model type (a "bfloat16" / "float16" cache: values rounded to it as written).
 template <typename T>
 struct Plain {
   using storage_t = T;
   static constexpr bool kQuantized = false;
-  static constexpr bool kVector = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  static constexpr bool kVector =
+      std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
   static int64_t row_elems(int64_t head_dim) { return head_dim; }
   static void dequantize(const T* row, int64_t head_dim, float* out) {
     for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(row[d]);
@@ -116,6 +118,8 @@ struct Plain {
   static __m512 load16(const T* row, int64_t, int64_t r) {
     if constexpr (std::is_same_v<T, float>) {
       return _mm512_loadu_ps(row + 16 * r);
+    } else if constexpr (std::is_same_v<T, c10::Half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * r)));
     } else {
       return pagedllm::load16(reinterpret_cast<const uint16_t*>(row) + 16 * r);
     }
@@ -271,6 +275,12 @@ void dispatch_format(const at::Tensor& cache, int64_t head_dim, const char* name
   if (type == c10::CppTypeToScalarType<scalar_t>::value) {
     check_row(head_dim);
     f(Plain<scalar_t>{});
+  } else if (type == at::kBFloat16) {
+    check_row(head_dim);
+    f(Plain<c10::BFloat16>{});
+  } else if (type == at::kHalf) {
+    check_row(head_dim);
+    f(Plain<c10::Half>{});
   } else if (type == at::kChar) {
     check_row(Int8::row_elems(head_dim));
     f(Int8{});
@@ -286,7 +296,7 @@ void dispatch_format(const at::Tensor& cache, int64_t head_dim, const char* name
     f(Int4{});
   } else {
     TORCH_CHECK(false, name, ": a ", type, " cache cannot serve ", c10::CppTypeToScalarType<scalar_t>::value,
-                " queries (expected the query's dtype, or int8 / float8_e4m3fn / float8_e5m2 / uint8 (int4) rows)");
+                " queries (expected the query's dtype, bfloat16 / float16, or int8 / float8_e4m3fn / float8_e5m2 / uint8 (int4) rows)");
   }
 }
 

@@ -58,10 +58,10 @@ struct Item {
   int64_t first_pos;  // position of its first row
 };
 
-// One cached row as bfloat16 bits: a bfloat16 row as it is, a quantized one decoded into `buf`.
+// One cached row as bfloat16 bits: a bfloat16 row as it is, any other (quantized, float16) decoded into `buf`.
 template <typename Format>
 const uint16_t* bf16_row(const typename Format::storage_t* row, int64_t head_dim, float* decoded, uint16_t* buf) {
-  if constexpr (Format::kQuantized) {
+  if constexpr (!std::is_same_v<typename Format::storage_t, c10::BFloat16>) {
     Format::dequantize(row, head_dim, decoded);
     for (int64_t d = 0; d < head_dim; ++d) buf[d] = c10::BFloat16(decoded[d]).x;
     return buf;
