@@ -5,8 +5,9 @@ run the same GGUF with the same threads:
 - llama.cpp's ``llama-bench`` (flash attention on): prompt processing of a 512-token prompt (pp512)
   and single-stream decode of 128 tokens (tg128), ``--repeats`` runs each;
 - llama.cpp's ``llama-server --parallel 16``: load time (start to /health ready), peak RSS, and
-  the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens), with a
-  KV cache of 16 x 320 float16 cells;
+  the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens), over the
+  whole run and over its decode alone (the run less a batch of the same shape with one new token),
+  with a KV cache of 16 x 320 float16 cells;
 - pagedllm (``LLM(model=FILE)`` in its own process, benchmarks/quant_runners/run_pagedllm.py): load
   time, peak RSS, single-stream decode (128-token prompt, 128 new tokens, decode time only), pp512
   (the 512-token prompt's pass: arrival to first token), and 16 streams' aggregate, over the same
@@ -109,15 +110,21 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def streams_rate(engine: Any, repeats: int) -> float | None:
+def streams_rates(engine: Any, repeats: int) -> tuple[float | None, float | None]:
     """Median aggregate output tok/s of STREAMS concurrent streams, after a short warm-up batch; the
-    same prompts for every engine."""
+    same prompts for every engine: (over the whole run, its 16 prompts' prefill included; over the
+    decode alone: the run less the same prompts' batch with one new token, its first)."""
     engine.batch(prompts(10, 2, PROMPT), 4)
-    rates = []
+    rates, decode_rates = [], []
     for r in range(repeats):
-        reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
+        batch = prompts(300 + r, STREAMS, PROMPT)
+        reply = engine.batch(batch, NEW)
         rates.append(reply["tokens"] / reply["elapsed"])
-    return median(rates)
+        # Other prompts of the same lengths: a prefix cache would otherwise make the prefill free.
+        prefill = engine.batch(prompts(350 + r, STREAMS, PROMPT), 1)
+        if reply["elapsed"] > prefill["elapsed"]:
+            decode_rates.append((reply["tokens"] - STREAMS) / (reply["elapsed"] - prefill["elapsed"]))
+    return median(rates), median(decode_rates)
 
 
 def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
@@ -136,7 +143,7 @@ def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
             pp.append(PP / reply["prefill_s"])
         row.ours["decode_tok_s"], row.ours["pp512_tok_s"] = median(decode), median(pp)
         if not args.no_streams:
-            row.ours["streams16_tok_s"] = streams_rate(engine, args.repeats)
+            row.ours["streams16_tok_s"], row.ours["streams16_decode_tok_s"] = streams_rates(engine, args.repeats)
         memory = engine.memory()
         row.ours["peak_rss_gib"] = memory["VmHWM"] / 2**30
         row.ours["weight_gib"] = (memory.get("weight_bytes") or 0) / 2**30
@@ -170,7 +177,7 @@ def measure_llamacpp(args: argparse.Namespace, path: str, row: Row) -> None:
                                os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
     try:
         row.llamacpp["load_s"] = engine.load_s
-        row.llamacpp["streams16_tok_s"] = streams_rate(engine, args.repeats)
+        row.llamacpp["streams16_tok_s"], row.llamacpp["streams16_decode_tok_s"] = streams_rates(engine, args.repeats)
         row.llamacpp["peak_rss_gib"] = engine.memory()["VmHWM"] / 2**30
     finally:
         engine.close()
