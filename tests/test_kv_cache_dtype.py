@@ -16,6 +16,7 @@ from test_attention import _make_case, case_metadata, reference_attention, sink_
 
 from pagedllm.attention import PagedAttention, write_to_cache
 from pagedllm.attention.kv_quant import (
+    cache_format,
     dequantize_rows,
     hadamard,
     hadamard_block,
@@ -44,7 +45,7 @@ def _to_pool(x: torch.Tensor, fmt, offset: torch.Tensor | None = None) -> torch.
 
 def _from_pool(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """A pool's rows as float32 values."""
-    return dequantize_rows(cache, head_dim, torch.float32) if cache.dtype.itemsize == 1 else cache.float()
+    return dequantize_rows(cache, head_dim, torch.float32) if cache_format(cache) is not None else cache.float()
 
 
 def _states(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
