@@ -148,16 +148,53 @@ def test_prefill_matches_reference(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 96, 128, 256])
 @pytest.mark.parametrize("path", kernel_paths())
 def test_decode_matches_reference(path, head_dim, dtype):
-    """Head sizes 32, 64 and 128 take the kernel's vectorised rows (float32 and bfloat16), others the
-    generic loop; at every level, the torch path too."""
+    """Head sizes 32, 64, 96, 128 and 256 take the kernel's register loops (AVX-512 or AVX2, float32
+    and bfloat16), 8 the generic loop; at every level, the torch path too."""
     with at_path(path) as level:
         for seed in range(8):
             _run(seed, "decode", use_cpu_kernel=path != "torch", head_dim=head_dim, dtype=dtype)
         if level is not None:
             level.assert_ran("paged_decode_attention")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads, threads", [(3, 4), (4, 3), (2, 2)])
+@pytest.mark.parametrize("path", kernel_paths()[1:])
+def test_decode_splits_heads_when_sequences_are_fewer_than_threads(path, num_kv_heads, threads, dtype):
+    """Fewer sequences than threads: the decode kernel splits a sequence's KV heads into ranges, one
+    per thread (here of uneven sizes, and one left empty with 4 heads over 3 threads). Every row
+    decoded alone equals, bit for bit, the same row in a batch of more sequences than threads (no
+    split), and the reference; over float32 rows and float16 ones (cache dtype float16)."""
+    from pagedllm.kernels.attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(num_kv_heads * 10 + threads)
+    num_heads, head_dim, block_size, seqs = 2 * num_kv_heads, 64, 4, 6
+    k_cache = torch.randn(64, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(64, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(64, generator=gen)[: seqs * 8].view(seqs, 8)
+    lens = torch.randint(1, 8 * block_size + 1, (seqs,), generator=gen)
+    query = torch.randn(seqs, num_heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with at_path(path) as level:
+            batched = paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+            alone = [
+                paged_decode_attention(query[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], scale)
+                for i in range(seqs)
+            ]
+            level.assert_ran("paged_decode_attention")
+    finally:
+        torch.set_num_threads(previous)
+    for i in range(seqs):
+        assert torch.equal(alone[i][0], batched[i]), f"sequence {i}: alone differs from batched"
+        expected = reference_attention(query[i : i + 1], k_cache, v_cache, tables[i], [int(lens[i]) - 1],
+                                       num_heads, num_kv_heads)
+        torch.testing.assert_close(alone[i].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [8, 64])

@@ -216,12 +216,13 @@ def _check_against_reference(path: str, kind: str, name: str, head_dim: int, win
             torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("name", STORED)
 @pytest.mark.parametrize("path", kernel_paths())
 def test_decode_reads_quantized_rows(path: str, name: str, head_dim: int) -> None:
-    """The decode kernel decodes rows in registers (head sizes 64 and 128 on the AVX-512 loops, 96 on
-    the portable ones) and the torch path dequantizes its gathered copy: both equal the reference."""
+    """The decode kernel decodes rows on its register loops (AVX-512: in registers; AVX2: four rows at
+    a time into a float32 buffer; scalar: the portable loops) and the torch path dequantizes its
+    gathered copy: both equal the reference. 256 takes the AVX-512 loops one row at a time."""
     with at_path(path) as level:
         _check_against_reference(path, "decode", name, head_dim)
         if level is not None:

@@ -4,10 +4,21 @@
 
 namespace {
 
-// paged_attention_cpu.cpp and greedy_cpu.cpp: explicit AVX-512 loops, or scalar ones.
+// greedy_cpu.cpp: explicit AVX-512 loops, or scalar ones.
 const char* avx512_or_scalar() {
 #if defined(__AVX512F__)
   return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
+// paged_attention_cpu.cpp: AVX-512 register loops, AVX2 ones (with FMA and F16C), or scalar ones.
+const char* decode_attention_branch() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
 #else
   return "scalar";
 #endif
@@ -76,7 +87,7 @@ std::map<std::string, std::pair<std::string, int64_t>> kernel_branches() {
     return std::make_pair(std::string(branch), pagedllm::run_counter(k).load(std::memory_order_relaxed));
   };
   return {
-      {"paged_decode_attention", entry(avx512_or_scalar(), Kernel::kDecodeAttention)},
+      {"paged_decode_attention", entry(decode_attention_branch(), Kernel::kDecodeAttention)},
       // One loop, vectorised by the compiler at the build's level.
       {"paged_chunked_attention", entry("compiler", Kernel::kChunkedAttention)},
       {"prompt_attention_amx", entry(prompt_attention_branch(), Kernel::kPromptAttentionAmx)},

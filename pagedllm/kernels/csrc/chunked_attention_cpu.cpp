@@ -216,7 +216,9 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const
   };
   switch (head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;
+    case 96: run(std::integral_constant<int, 96>{}); break;    // Phi-3
     case 128: run(std::integral_constant<int, 128>{}); break;
+    case 256: run(std::integral_constant<int, 256>{}); break;  // Gemma 2 / 3
     default: run(std::integral_constant<int, 0>{}); break;
   }
 }

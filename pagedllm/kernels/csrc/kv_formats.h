@@ -18,6 +18,8 @@
 //   dequantize(row, D, out)      the row as D float32 values (the portable path, and scratch copies)
 //   load16(row, D, r)            values 16r .. 16r + 15 as float32 in one AVX-512 register
 //                                (formats with kVector), decoded in registers
+//   load8(row, D, r)             values 8r .. 8r + 7 as float32 in one AVX2 register (the same,
+//                                for builds with AVX2 and F16C)
 //   quantize(x, D, row)          D float32 values into a row, with the same float32 operations in the
 //                                same order as kv_quant.quantize_rows, so both write the same bytes
 #pragma once
@@ -36,6 +38,10 @@
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+// The 8-wide loads need AVX2's integer widening and F16C's float16 conversion.
+#if defined(__AVX2__) && defined(__F16C__)
+#define PAGEDLLM_KV_LOAD8 1
 #endif
 #if defined(__AVX512F__)
 #include "vec_math.h"
@@ -125,6 +131,20 @@ struct Plain {
     }
   }
 #endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  static __m256 load8(const T* row, int64_t, int64_t r) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_loadu_ps(row + 8 * r);
+    } else {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * r));
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        return _mm256_cvtph_ps(bits);
+      } else {  // bfloat16: float32's top half
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      }
+    }
+  }
+#endif
 };
 
 // One byte per value and a float16 scale after them: int8 and both float8 types. The values are
@@ -157,6 +177,12 @@ struct ScaledBytes {
     return _mm512_mul_ps(Derived::decode16(bytes), _mm512_set1_ps(scale(row, head_dim) * Derived::kDecodeFactor));
   }
 #endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  static __m256 load8(const uint8_t* row, int64_t head_dim, int64_t r) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * r));
+    return _mm256_mul_ps(Derived::decode8(bytes), _mm256_set1_ps(scale(row, head_dim) * Derived::kDecodeFactor));
+  }
+#endif
 };
 
 struct Int8 : ScaledBytes<Int8> {
@@ -167,6 +193,9 @@ struct Int8 : ScaledBytes<Int8> {
   static uint8_t encode(float v) { return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v))); }
 #if defined(__AVX512F__)
   static __m512 decode16(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+#endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  static __m256 decode8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 #endif
 };
 
@@ -198,6 +227,14 @@ struct Fp8E4M3 : ScaledBytes<Fp8E4M3> {
     return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
   }
 #endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  static __m256 decode8(__m128i bytes) {  // as decode16, eight at a time
+    const __m128i b = _mm_cvtepu8_epi16(bytes);
+    const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(magnitude, sign));
+  }
+#endif
 };
 
 struct Fp8E5M2 : ScaledBytes<Fp8E5M2> {
@@ -208,6 +245,9 @@ struct Fp8E5M2 : ScaledBytes<Fp8E5M2> {
   static uint8_t encode(float v) { return c10::Float8_e5m2(v).x; }
 #if defined(__AVX512F__)
   static __m512 decode16(__m128i bytes) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8)); }
+#endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  static __m256 decode8(__m128i bytes) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8)); }
 #endif
 };
 
@@ -260,6 +300,18 @@ struct Int4 {
     const __m512i q = (r & 1) ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
     const uint8_t* p = params(row, head_dim, g);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(half_to_float(p)), _mm512_set1_ps(half_to_float(p + 2)));
+  }
+#endif
+#if defined(PAGEDLLM_KV_LOAD8)
+  // Eighths 0 and 1 of a group are the low nibbles of its bytes 0-7 and 8-15, eighths 2 and 3 their
+  // high nibbles.
+  static __m256 load8(const uint8_t* row, int64_t head_dim, int64_t r) {
+    const int64_t g = r / 4, part = r % 4;
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * g + 8 * (part & 1))));
+    const __m256i q = part >= 2 ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(0xF));
+    const uint8_t* p = params(row, head_dim, g);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(half_to_float(p)), _mm256_set1_ps(half_to_float(p + 2)));
   }
 #endif
 };

@@ -4,15 +4,20 @@
 // One work item is one sequence: a block's slots hold all KV heads side by side, so walking a
 // block four slots at a time and handling every head at once streams the block from memory in
 // order (splitting by head instead made each pass skip 2/3 of every row and doubled the DRAM
-// traffic), while the next block is prefetched.
+// traffic), while the next block is prefetched. Only when there are fewer sequences than threads
+// (one stream's decode, a long context) is a sequence's set of KV heads split into as many ranges
+// as keep every thread busy; each head's arithmetic is the same either way, so the result does not
+// depend on the split.
 // The query heads that share a KV head (grouped-query attention) are handled together so each
-// key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes so the
-// compiler unrolls and vectorises the dot products; other sizes take the generic instance.
+// key/value row is loaded once. HEAD_DIM is a template parameter for the common sizes (32, 64, 96,
+// 128, 256) so the compiler unrolls the register loops; other sizes take the generic instance.
 //
 // The cache's rows may be quantized (kv_formats.h): each key and value row is decoded in registers
 // as it is read (16 values per AVX-512 load), in float32 like a float cache's; no float copy of the
-// context is made. Such rows are rotated: the query heads are rotated once before the walk and the
-// output heads once after it.
+// context is made. AVX2 builds (16 registers of 8 values: four rows of 128 would not stay in them)
+// decode the four rows in hand into a small float32 buffer instead, which every query head of the
+// group then reads from L1. Such rows are rotated: the query heads are rotated once before the walk
+// and the output heads once after it.
 //
 // A sliding window W limits each query to its sequence's last W positions: the walk starts at
 // position length - W, so blocks before it are never touched (the block manager may have freed
@@ -34,6 +39,9 @@
 #include <immintrin.h>
 
 #include "vec_math.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(PAGEDLLM_KV_LOAD8)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2_ROWS 1
 #endif
 
 namespace {
@@ -41,11 +49,13 @@ namespace {
 template <typename Format>
 using kv_t = typename Format::storage_t;
 
-// Rows of this format and head size go through the AVX-512 register loops below.
+// Rows of this format and head size go through the AVX-512 or AVX2 register loops below.
 template <typename Format, int HEAD_DIM>
 constexpr bool kVectorRows =
 #if defined(__AVX512F__)
-    Format::kVector && HEAD_DIM > 0;
+    Format::kVector && HEAD_DIM > 0 && HEAD_DIM % 16 == 0;
+#elif defined(PAGEDLLM_AVX2_ROWS)
+    Format::kVector && HEAD_DIM > 0 && HEAD_DIM % 8 == 0;
 #else
     false;
 #endif
@@ -104,7 +114,7 @@ inline void group_axpys_portable(const float* __restrict__ p, const kv_t<Format>
 }
 
 #if defined(__AVX512F__)
-// float32 / bfloat16 / quantized rows of 32 / 64 / 128: the row is loaded (and decoded) into registers
+// float32 / bfloat16 / float16 / quantized rows of 32 to 256: the row is loaded (and decoded) into registers
 // once for the whole group and each dot product is a chain of FMAs with one horizontal sum (the
 // compiler's simd reduction left a generic loop that cost ~4x more per score, and did not vectorise
 // bfloat16's conversion).
@@ -158,9 +168,15 @@ inline void load_rows4(const kv_t<Format>* __restrict__ p, int64_t row_stride, _
 }
 
 // Four key rows are loaded once for the group; per query head, four dot products end in one sum4.
+// Four rows of R registers each fit the 32 registers up to heads of 128; wider heads (256: Gemma)
+// take the rows one at a time.
 template <typename Format, int HEAD_DIM>
 inline void group_dots4_avx512(const float* __restrict__ q, const kv_t<Format>* __restrict__ k, int64_t row_stride,
                                int64_t group, float* __restrict__ s, int64_t stride) {
+  if constexpr (HEAD_DIM > 128) {
+    for (int t = 0; t < 4; ++t) group_dots_avx512<Format, HEAD_DIM>(q, k + t * row_stride, group, s + t, stride);
+    return;
+  }
   constexpr int R = HEAD_DIM / 16;
   __m512 kr[4][R];
   load_rows4<Format, HEAD_DIM>(k, row_stride, kr);
@@ -182,6 +198,10 @@ inline void group_dots4_avx512(const float* __restrict__ q, const kv_t<Format>* 
 template <typename Format, int HEAD_DIM>
 inline void group_axpys4_avx512(const float* __restrict__ p, const kv_t<Format>* __restrict__ v, int64_t row_stride,
                                 int64_t group, float* __restrict__ acc, int64_t stride) {
+  if constexpr (HEAD_DIM > 128) {
+    for (int t = 0; t < 4; ++t) group_axpys_avx512<Format, HEAD_DIM>(p + t, v + t * row_stride, group, acc, stride);
+    return;
+  }
   constexpr int R = HEAD_DIM / 16;
   __m512 vr[4][R];
   load_rows4<Format, HEAD_DIM>(v, row_stride, vr);
@@ -224,14 +244,103 @@ inline float exp_and_sum(float* __restrict__ s, int64_t length, float sink) {
 }
 #endif
 
-// The group operations the kernel calls: the AVX-512 register loops where they apply, else the
-// portable ones. The *4 forms take four consecutive rows (row_stride apart).
+#if defined(PAGEDLLM_AVX2_ROWS)
+// N rows (row_stride apart) as float32 rows HEAD_DIM apart: a float32 cache's rows where they lie,
+// other formats' decoded into `buf` (N * HEAD_DIM values).
+template <typename Format, int HEAD_DIM, int N>
+inline const float* float_rows_avx2(const kv_t<Format>* __restrict__ p, int64_t row_stride, float* __restrict__ buf,
+                                    int64_t& float_stride) {
+  if constexpr (std::is_same_v<kv_t<Format>, float>) {
+    float_stride = row_stride;
+    return p;
+  } else {
+    for (int t = 0; t < N; ++t) {
+      for (int r = 0; r < HEAD_DIM / 8; ++r) {
+        _mm256_storeu_ps(buf + t * HEAD_DIM + 8 * r, Format::load8(p + t * row_stride, HEAD_DIM, r));
+      }
+    }
+    float_stride = HEAD_DIM;
+    return buf;
+  }
+}
+
+// The four sums of a, b, c and d in one register.
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // [a, b, c, d] partial sums in each 128-bit half after three pairwise adds.
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float sum8(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// s[j * stride + t] = q_j . row_t for N (1 or 4) float32 rows: per query head, N chains of FMAs (two
+// for a single row, to overlap their latency) and one horizontal sum.
+template <int HEAD_DIM, int N>
+inline void group_dots_avx2(const float* __restrict__ q, const float* __restrict__ rows, int64_t row_stride,
+                            int64_t group, float* __restrict__ s, int64_t stride) {
+  constexpr int R = HEAD_DIM / 8;
+  for (int64_t j = 0; j < group; ++j) {
+    const float* qj = q + j * HEAD_DIM;
+    if constexpr (N == 4) {
+      __m256 acc[4];
+      const __m256 q0 = _mm256_loadu_ps(qj);
+      for (int t = 0; t < 4; ++t) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(rows + t * row_stride));
+      for (int r = 1; r < R; ++r) {
+        const __m256 qr = _mm256_loadu_ps(qj + 8 * r);
+        for (int t = 0; t < 4; ++t) {
+          acc[t] = _mm256_fmadd_ps(qr, _mm256_loadu_ps(rows + t * row_stride + 8 * r), acc[t]);
+        }
+      }
+      _mm_storeu_ps(s + j * stride, sum4(acc[0], acc[1], acc[2], acc[3]));
+    } else {
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int r = 0; r < R; ++r) {
+        acc[r & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * r), _mm256_loadu_ps(rows + 8 * r), acc[r & 1]);
+      }
+      s[j * stride] = sum8(_mm256_add_ps(acc[0], acc[1]));
+    }
+  }
+}
+
+// acc_j += sum_t p[j * stride + t] * row_t for N float32 rows: each accumulator is read and written
+// once per N rows.
+template <int HEAD_DIM, int N>
+inline void group_axpys_avx2(const float* __restrict__ p, const float* __restrict__ rows, int64_t row_stride,
+                             int64_t group, float* __restrict__ acc, int64_t stride) {
+  constexpr int R = HEAD_DIM / 8;
+  for (int64_t j = 0; j < group; ++j) {
+    __m256 pj[N];
+    for (int t = 0; t < N; ++t) pj[t] = _mm256_set1_ps(p[j * stride + t]);
+    float* a = acc + j * HEAD_DIM;
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = _mm256_loadu_ps(a + 8 * r);
+      for (int t = 0; t < N; ++t) sum = _mm256_fmadd_ps(pj[t], _mm256_loadu_ps(rows + t * row_stride + 8 * r), sum);
+      _mm256_storeu_ps(a + 8 * r, sum);
+    }
+  }
+}
+#endif
+
+// The group operations the kernel calls: the AVX-512 or AVX2 register loops where they apply, else
+// the portable ones. The *4 forms take four consecutive rows (row_stride apart). `row_buf` holds
+// four rows of head_dim float32 values.
 template <typename Format, int HEAD_DIM>
 inline void group_dots(const float* q, const kv_t<Format>* k, int64_t head_dim, int64_t group, float* s,
                        int64_t stride, float* row_buf) {
 #if defined(__AVX512F__)
   if constexpr (kVectorRows<Format, HEAD_DIM>) {
     group_dots_avx512<Format, HEAD_DIM>(q, k, group, s, stride);
+    return;
+  }
+#elif defined(PAGEDLLM_AVX2_ROWS)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    int64_t rows_stride;
+    const float* rows = float_rows_avx2<Format, HEAD_DIM, 1>(k, 0, row_buf, rows_stride);
+    group_dots_avx2<HEAD_DIM, 1>(q, rows, rows_stride, group, s, stride);
     return;
   }
 #endif
@@ -246,6 +355,13 @@ inline void group_axpys(const float* p, const kv_t<Format>* v, int64_t head_dim,
     group_axpys_avx512<Format, HEAD_DIM>(p, v, group, acc, stride);
     return;
   }
+#elif defined(PAGEDLLM_AVX2_ROWS)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    int64_t rows_stride;
+    const float* rows = float_rows_avx2<Format, HEAD_DIM, 1>(v, 0, row_buf, rows_stride);
+    group_axpys_avx2<HEAD_DIM, 1>(p, rows, rows_stride, group, acc, stride);
+    return;
+  }
 #endif
   group_axpys_portable<Format, HEAD_DIM>(p, v, head_dim, group, acc, stride, row_buf);
 }
@@ -256,6 +372,13 @@ inline void group_dots4(const float* q, const kv_t<Format>* k, int64_t row_strid
 #if defined(__AVX512F__)
   if constexpr (kVectorRows<Format, HEAD_DIM>) {
     group_dots4_avx512<Format, HEAD_DIM>(q, k, row_stride, group, s, stride);
+    return;
+  }
+#elif defined(PAGEDLLM_AVX2_ROWS)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    int64_t rows_stride;
+    const float* rows = float_rows_avx2<Format, HEAD_DIM, 4>(k, row_stride, row_buf, rows_stride);
+    group_dots_avx2<HEAD_DIM, 4>(q, rows, rows_stride, group, s, stride);
     return;
   }
 #endif
@@ -272,6 +395,13 @@ inline void group_axpys4(const float* p, const kv_t<Format>* v, int64_t row_stri
     group_axpys4_avx512<Format, HEAD_DIM>(p, v, row_stride, group, acc, stride);
     return;
   }
+#elif defined(PAGEDLLM_AVX2_ROWS)
+  if constexpr (kVectorRows<Format, HEAD_DIM>) {
+    int64_t rows_stride;
+    const float* rows = float_rows_avx2<Format, HEAD_DIM, 4>(v, row_stride, row_buf, rows_stride);
+    group_axpys_avx2<HEAD_DIM, 4>(p, rows, rows_stride, group, acc, stride);
+    return;
+  }
 #endif
   for (int r = 0; r < 4; ++r) {
     group_axpys_portable<Format, HEAD_DIM>(p + r, v + r * row_stride, head_dim, group, acc, stride, row_buf);
@@ -283,10 +413,13 @@ inline void group_axpys4(const float* p, const kv_t<Format>* v, int64_t row_stri
 // addresses, stalls at every block boundary; row i of the next block is requested while row i of
 // this one is used, one block ahead (float32 contexts of 300-500 tokens ~18% faster per call on a
 // 2-core AMX machine; 128 tokens level).
+// `rows` slot rows from `row` on, row_stride apart: of each, the `bytes` a work item reads.
 template <typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t row_bytes) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 3);
+inline void prefetch_rows(const scalar_t* row, int64_t rows, int64_t row_stride, int64_t bytes) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const char* p = reinterpret_cast<const char*>(row + t * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
 }
 
 // The first slot of the block after the one holding position pos + n, or nullptr past the context.
@@ -311,15 +444,24 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_row = Format::row_elems(head_dim);  // one KV head of one token, scales included
   const int64_t row_stride = num_kv_heads * head_row;   // one slot: every KV head of one token
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t<Format>));
   const int read_shift = pagedllm::kv::read_shift(head_dim);
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row_buf(head_dim);
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = batch == 0 || batch >= threads ? 1 : std::min(num_kv_heads, (threads + batch - 1) / batch);
+  const int64_t kv_per_split = (num_kv_heads + splits - 1) / splits;
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_buf(4 * head_dim);  // four rows as float32 (group_dots4 / group_axpys4)
     std::vector<float> scores;  // [Hq, length]
     std::vector<float> qf(num_heads * head_dim);
     std::vector<float> acc(num_heads * head_dim);
     std::vector<float> inv_sum(num_heads);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits;
+      // This item's KV heads [g_begin, g_end) and their query heads [h_begin, h_end).
+      const int64_t g_begin = item % splits * kv_per_split, g_end = std::min(num_kv_heads, g_begin + kv_per_split);
+      if (g_begin >= g_end) continue;
+      const int64_t h_begin = g_begin * group, h_end = g_end * group;
+      const int64_t part_offset = g_begin * head_row;  // where its heads start in a slot row
+      const int64_t part_bytes = (g_end - g_begin) * head_row * static_cast<int64_t>(sizeof(kv_t<Format>));
       const int64_t context = context_lens[b];
       // Positions [first, context) are attended; score t belongs to position first + t.
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context - sliding_window) : 0;
@@ -328,9 +470,9 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
       scores.resize(num_heads * length);
       const scalar_t* qrow = q + b * num_heads * head_dim;
       const float q_scale = soft_cap > 0.f ? scale / soft_cap : scale;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * q_scale;
+      for (int64_t i = h_begin * head_dim; i < h_end * head_dim; ++i) qf[i] = static_cast<float>(qrow[i]) * q_scale;
       if constexpr (Format::kQuantized) {  // into the rows' rotated basis
-        for (int64_t h = 0; h < num_heads; ++h) pagedllm::kv::hadamard(qf.data() + h * head_dim, head_dim, read_shift);
+        for (int64_t h = h_begin; h < h_end; ++h) pagedllm::kv::hadamard(qf.data() + h * head_dim, head_dim, read_shift);
       }
       // Scores: walk the block table block by block (no division per token).
       for (int64_t pos = first; pos < context;) {
@@ -342,10 +484,10 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
         for (int64_t i = 0; i < n;) {
           const int64_t rows = n - i >= 4 ? 4 : 1;
           const kv_t<Format>* krow = kblock + i * row_stride;
-          if (knext != nullptr) prefetch_row(knext + i * row_stride, rows * row_bytes);
+          if (knext != nullptr) prefetch_rows(knext + i * row_stride + part_offset, rows, row_stride, part_bytes);
           float* srow = scores.data() + pos - first + i;
           // KV head outer, its query heads inner: no division per row, one key row per group.
-          for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t g = g_begin; g < g_end; ++g) {
             const float* qg = qf.data() + g * group * head_dim;
             float* sg = srow + g * group * length;
             if (rows == 4) {
@@ -360,11 +502,11 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
         pos += n;
       }
       if (soft_cap > 0.f) {
-        for (int64_t t = 0; t < num_heads * length; ++t) scores[t] = soft_cap * std::tanh(scores[t]);
+        for (int64_t t = h_begin * length; t < h_end * length; ++t) scores[t] = soft_cap * std::tanh(scores[t]);
       }
       // Softmax numerators in place; 1 / sum is applied to the output (one multiply per value, not
       // per score).
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = h_begin; h < h_end; ++h) {
         float* s = scores.data() + h * length;
         const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
 #if defined(__AVX512F__)
@@ -381,7 +523,7 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
         inv_sum[h] = 1.f / (sum + std::exp(sink - max_score));
 #endif
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin() + h_begin * head_dim, acc.begin() + h_end * head_dim, 0.f);
       for (int64_t pos = first; pos < context;) {
         const int64_t offset = pos % block_size;
         const int64_t n = std::min(block_size - offset, context - pos);
@@ -390,9 +532,9 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
         for (int64_t i = 0; i < n;) {
           const int64_t rows = n - i >= 4 ? 4 : 1;
           const kv_t<Format>* vrow = vblock + i * row_stride;
-          if (vnext != nullptr) prefetch_row(vnext + i * row_stride, rows * row_bytes);
+          if (vnext != nullptr) prefetch_rows(vnext + i * row_stride + part_offset, rows, row_stride, part_bytes);
           const float* prow = scores.data() + pos - first + i;
-          for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t g = g_begin; g < g_end; ++g) {
             const float* pg = prow + g * group * length;
             float* ag = acc.data() + g * group * head_dim;
             if (rows == 4) {
@@ -407,10 +549,10 @@ void decode_kernel(const scalar_t* __restrict__ q,              // [B, Hq, D]
         pos += n;
       }
       if constexpr (Format::kQuantized) {  // back from the rotated basis
-        for (int64_t h = 0; h < num_heads; ++h) pagedllm::kv::hadamard(acc.data() + h * head_dim, head_dim, read_shift);
+        for (int64_t h = h_begin; h < h_end; ++h) pagedllm::kv::hadamard(acc.data() + h * head_dim, head_dim, read_shift);
       }
       scalar_t* orow = out + b * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = h_begin; h < h_end; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
           orow[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
         }
@@ -434,7 +576,9 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& k_cache, const
   switch (head_dim) {
     case 32: run(std::integral_constant<int, 32>{}); break;
     case 64: run(std::integral_constant<int, 64>{}); break;
+    case 96: run(std::integral_constant<int, 96>{}); break;  // Phi-3
     case 128: run(std::integral_constant<int, 128>{}); break;
+    case 256: run(std::integral_constant<int, 256>{}); break;  // Gemma 2 / 3
     default: run(std::integral_constant<int, 0>{}); break;
   }
 }
