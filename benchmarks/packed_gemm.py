@@ -22,7 +22,7 @@ from gguf_blocks import random_packed  # noqa: E402
 from paper_fig18a_kernel import bench as median_seconds  # noqa: E402
 
 from pagedllm.kernels import cpu_kernels  # noqa: E402
-from pagedllm.quantization.int8_tiles import AMX_MIN_ROWS  # noqa: E402
+from pagedllm.kernels.invariance import int8_amx_min_rows  # noqa: E402
 
 # name, output rows, inputs, GGUF type: a Llama-3.2-1B layer's projections and its Q6_K LM head.
 SHAPES = [("qo", 2048, 2048, "Q4_0"), ("kv", 512, 2048, "Q4_0"), ("gate/up", 8192, 2048, "Q4_0"),
@@ -43,7 +43,7 @@ def main() -> None:
     print(f"{'shape':>8} {'type':>5} {'M':>4} | {'float ms':>8} {'GB/s':>5} | "
           f"{'int8 ms':>8} {'GB/s':>5} {'GOPS':>6} | speed-up | {'engine ms':>9} {'GOPS':>6}")
     # "int8": integer dot products at every row count; "engine": int8_linear as the engine calls it
-    # (from AMX_MIN_ROWS rows on, on AMX, bfloat16 tiles over decoded panels).
+    # (from int8_amx_min_rows() rows on, on AMX, bfloat16 tiles over decoded panels).
     for name, n, k, type_name in SHAPES:
         qtype = GGMLQuantizationType[type_name]
         packed = torch.from_numpy(np.ascontiguousarray(random_packed(rng, qtype, n, k)))
@@ -57,7 +57,7 @@ def main() -> None:
             t_int8, t_engine = (median_seconds(
                 lambda x=x, tiled=tiled, qtype=qtype, n=n, k=k, amx=amx: kernels.int8_linear(
                     x, tiled, qtype.value, n, k, None, amx),
-                repeats) for amx in (0, AMX_MIN_ROWS))
+                repeats) for amx in (0, int8_amx_min_rows()))
             print(f"{name:>8} {type_name:>5} {m:4d} | {t_float * 1e3:8.2f} {packed.numel() / t_float / 1e9:5.1f} | "
                   f"{t_int8 * 1e3:8.2f} {tiled.numel() / t_int8 / 1e9:5.1f} {2 * m * n * k / t_int8 / 1e9:6.0f} | "
                   f"{t_float / t_int8:7.2f}x | {t_engine * 1e3:9.2f} {2 * m * n * k / t_engine / 1e9:6.0f}")

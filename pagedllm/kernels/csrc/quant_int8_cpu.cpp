@@ -4,7 +4,7 @@
 // quantized to int8 per block of 32 inputs (one float scale each, round to nearest), weights keep
 // their format's integer quants (4, 6 or 8 bits) and per-block scales, and every product of 4
 // weight quants with 4 activation quants is one lane of an integer dot-product instruction
-// (AVX-512 VNNI vpdpbusd; AVX-VNNI; AVX2 pmaddubsw + pmaddwd; a portable loop elsewhere).
+// (AVX-512 VNNI vpdpbusd; AVX2 pmaddubsw + pmaddwd; a portable loop elsewhere).
 //
 // Tiled layout. A weight [N, K] is cut into panels of 16 output rows (the last one padded with
 // zero rows). Each panel is one contiguous run of bytes:
@@ -271,26 +271,10 @@ inline u8x64 load_u8x64(const uint8_t* p) {
 }
 
 // w: 64 unsigned quants ([16 rows x 4 inputs]); x4: 4 signed activation quants as one int32.
+// Builds without AVX-512 VNNI but with AVX2 take panel_kernel_avx2 instead.
 inline i32v dot4(i32v acc, u8x64 w, int32_t x4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return (i32v)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
-#elif defined(__AVX2__)
-  __m256i a[2], b[2];
-  std::memcpy(a, &acc, 64);
-  std::memcpy(b, &w, 64);
-  const __m256i xv = _mm256_set1_epi32(x4);
-  for (int h = 0; h < 2; ++h) {
-#if defined(__AVXVNNI__)
-    a[h] = _mm256_dpbusd_avx_epi32(a[h], b[h], xv);
-#else
-    // pmaddubsw sums pairs into int16 with saturation: exact while quants are < 128 (2 x 127 x 127
-    // fits), which is why 8-bit formats (quants up to 255) are not tiled on CPUs without VNNI.
-    const __m256i pairs = _mm256_maddubs_epi16(b[h], xv);
-    a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-  }
-  std::memcpy(&acc, a, 64);
-  return acc;
 #else
   int8_t x[4];
   std::memcpy(x, &x4, 4);
@@ -418,9 +402,98 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
   }
 }
 
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// The same product in native 256-bit registers, for builds without AVX-512 VNNI. panel_kernel's
+// 64-byte vector types, split into register pairs by the compiler, spilled to the stack on every
+// step at this width (its 4-row form needs ~32 ymm registers: 8 operands, 4 integer and 4 float
+// accumulators, two registers each), which held it to ~25 GOPS at every row count. Here a panel is
+// taken as two halves of 8 rows (a 64-byte chunk's first 32 bytes hold rows 0-7, the rest rows 8-15)
+// and a block's inputs 8 at a time, so MR rows keep 2 MR accumulators plus two operands live.
+// Each lane's float arithmetic is panel_kernel's, in its order (dx * S * sum(q * xq) + O * sx per
+// block, explicit FMAs), so both give the same bits and a row's result never depends on MR.
+
+// The unsigned quants of inputs 8c .. 8c + 7 of block f, rows 8 half .. + 7: lo holds inputs
+// 8c + 0..3, hi inputs 8c + 4..7 (6-bit blocks: c in 0..1 over the block's 16 inputs).
+template <int Bits, bool E2M1>
+inline void half_operands(const uint8_t* quants, int64_t f, int c, int half, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  if constexpr (Bits == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (f * 4 + c) * 64 + 32 * half));
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (E2M1) {
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Quants)));
+      lo = _mm256_shuffle_epi8(table, lo);
+      hi = _mm256_shuffle_epi8(table, hi);
+    }
+  } else if constexpr (Bits == 8) {
+    // Without VNNI only Q5_K's 5-bit quants are tiled as bytes (int8_tiling_supported).
+    const uint8_t* g = quants + (f * 8 + 2 * c) * 64 + 32 * half;
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64));
+  } else {
+    const uint8_t* g = quants + f * 192 + 32 * half;
+    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64 * c));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 128));
+    const __m256i three = _mm256_set1_epi8(0x30);
+    // 16-bit shifts stand in for byte shifts: the bits they carry across a byte boundary fall outside
+    // the masks.
+    const __m256i h_lo = c == 0 ? _mm256_slli_epi16(h, 4) : h;
+    const __m256i h_hi = c == 0 ? _mm256_slli_epi16(h, 2) : _mm256_srli_epi16(h, 2);
+    lo = _mm256_or_si256(_mm256_and_si256(n, low), _mm256_and_si256(h_lo, three));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n, 4), low), _mm256_and_si256(h_hi, three));
+  }
+}
+
+// acc += the int32 sums over 8 inputs of lo * x[0..3] + hi * x[4..7] per row. pmaddubsw's int16 pair
+// sums and their sum over both operands stay below 2^15 for quants below 64 (4 x 63 x 127), so
+// pmaddubsw, paddw and one pmaddwd compute it exactly.
+inline __m256i dot8(__m256i acc, __m256i lo, __m256i hi, const int8_t* x) {
+  const __m256i x0 = _mm256_set1_epi32(x4_at(x)), x1 = _mm256_set1_epi32(x4_at(x + 4));
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int Bits, int Flush, int MR, bool E2M1>
+void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
+  const int64_t k = a.k;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
+  const uint16_t* mins = scales + (k / Flush) * kPanel;
+  const int8_t* xrow[MR];
+  for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t f = 0; f < k / Flush; ++f) {
+      const int64_t k0 = f * Flush;
+      __m256i iacc[MR];
+      for (int m = 0; m < MR; ++m) iacc[m] = _mm256_setzero_si256();
+      for (int c = 0; c < Flush / 8; ++c) {
+        __m256i lo, hi;
+        half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
+        for (int m = 0; m < MR; ++m) iacc[m] = dot8(iacc[m], lo, hi, xrow[m] + k0 + 8 * c);
+      }
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + f * kPanel + 8 * half)));
+      const __m256 mn = t.has_mins
+          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + f * kPanel + 8 * half)))
+          : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dx = _mm256_set1_ps(a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock]);
+        const __m256 sx = _mm256_set1_ps(a.sums[(m0 + m) * a.sums_per_row + f]);
+        acc[m] = _mm256_fmadd_ps(mn, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), _mm256_mul_ps(sc, dx), acc[m]));
+      }
+    }
+    for (int m = 0; m < MR; ++m) _mm256_storeu_ps(reinterpret_cast<float*>(&out[m]) + 8 * half, acc[m]);
+  }
+}
+#endif
+
 // y[m, panel rows] for MR activation rows starting at m0, over one panel.
 template <int Bits, int Flush, int MR, bool E2M1>
 void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  panel_kernel_avx2<Bits, Flush, MR, E2M1>(t, panel, a, m0, out);
+#else
   const int64_t k = a.k;
   const uint8_t* quants = panel;
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
@@ -444,6 +517,7 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = acc[m];
+#endif
 }
 
 #if defined(__AVX512BF16__)
@@ -604,12 +678,10 @@ void quantize_activations(const float* x, int64_t m_rows, int64_t k, int flush, 
 
 }  // namespace
 
-// Which integer dot product this build uses: "avx512_vnni", "avx_vnni", "avx2" or "portable".
+// Which integer dot product this build uses: "avx512_vnni", "avx2" or "portable".
 std::string int8_dot_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return "avx512_vnni";
-#elif defined(__AVX2__) && defined(__AVXVNNI__)
-  return "avx_vnni";
 #elif defined(__AVX2__)
   return "avx2";
 #else
@@ -617,7 +689,8 @@ std::string int8_dot_isa() {
 #endif
 }
 
-// Whether `format` can be tiled on this build (8-bit quants need a VNNI dot product, see dot4).
+// Whether `format` can be tiled on this build: 8-bit quants up to 255 would overflow the AVX2 kernel's
+// int16 pair sums (dot8), so Q8_0 and int8 rows need a VNNI dot product or the portable loop.
 bool int8_tiling_supported(int64_t format) {
   switch (format) {
     case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: case F_MXFP4:
