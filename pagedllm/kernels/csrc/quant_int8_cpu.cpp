@@ -40,6 +40,13 @@
 #include "quant_formats.h"
 #include "branches.h"
 
+// Builds with AVX2 but without AVX-512 VNNI multiply in panel_kernel_avx2's 256-bit registers.
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#define PAGEDLLM_INT8_AVX2_KERNEL 1
+#else
+#define PAGEDLLM_INT8_AVX2_KERNEL 0
+#endif
+
 namespace {
 
 using namespace pagedllm_quant;
@@ -402,13 +409,14 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
   }
 }
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#if PAGEDLLM_INT8_AVX2_KERNEL
 // The same product in native 256-bit registers, for builds without AVX-512 VNNI. panel_kernel's
 // 64-byte vector types, split into register pairs by the compiler, spilled to the stack on every
 // step at this width (its 4-row form needs ~32 ymm registers: 8 operands, 4 integer and 4 float
 // accumulators, two registers each), which held it to ~25 GOPS at every row count. Here a panel is
 // taken as two halves of 8 rows (a 64-byte chunk's first 32 bytes hold rows 0-7, the rest rows 8-15)
-// and a block's inputs 8 at a time, so MR rows keep 2 MR accumulators plus two operands live.
+// and a block's inputs 8 at a time, so MR rows keep 2 MR accumulators plus two operands live; the
+// pmaddubsw pair sums of several operands are added in int16 before one pmaddwd (kInt16Group).
 // Each lane's float arithmetic is panel_kernel's, in its order (dx * S * sum(q * xq) + O * sx per
 // block, explicit FMAs), so both give the same bits and a row's result never depends on MR.
 
@@ -445,18 +453,23 @@ inline void half_operands(const uint8_t* quants, int64_t f, int c, int half, __m
   }
 }
 
-// acc += the int32 sums over 8 inputs of lo * x[0..3] + hi * x[4..7] per row. pmaddubsw's int16 pair
-// sums and their sum over both operands stay below 2^15 for quants below 64 (4 x 63 x 127), so
-// pmaddubsw, paddw and one pmaddwd compute it exactly.
-inline __m256i dot8(__m256i acc, __m256i lo, __m256i hi, const int8_t* x) {
-  const __m256i x0 = _mm256_set1_epi32(x4_at(x)), x1 = _mm256_set1_epi32(x4_at(x + 4));
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+// Per row, the int16 sums of lo * x[0..3] + hi * x[4..7] over each 2 adjacent inputs (pmaddubsw).
+inline __m256i pair_sums(__m256i lo, __m256i hi, const int8_t* x) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4_at(x))),
+                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4_at(x + 4))));
 }
 
+// Operands of 4 inputs whose pair sums are added in int16 before one pmaddwd widens them: each pair sum
+// is at most 2 x q x 127 for quants q, so a group stays below 2^15 (4-bit 15: 8; MXFP4 24 and Q5_K
+// 31: 4; Q6_K 63: 2). The integer sum is exact in any grouping.
+template <int Bits, bool E2M1>
+constexpr int kInt16Group = Bits == 4 && !E2M1 ? 8 : Bits == 6 ? 2 : 4;
+
 template <int Bits, int Flush, int MR, bool E2M1>
-void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
+void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
+                       const uint8_t* next = nullptr) {
   const int64_t k = a.k;
+  constexpr int kBlockBytes = Flush * kPanel * Bits / 8;
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
   const uint16_t* mins = scales + (k / Flush) * kPanel;
   const int8_t* xrow[MR];
@@ -466,12 +479,31 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t f = 0; f < k / Flush; ++f) {
       const int64_t k0 = f * Flush;
+      if (next != nullptr && half == 0) {
+        // The next panel's block streams in beside this one's arithmetic: a prefetch of the whole
+        // next panel at once (the AVX-512 loop's) stalled this loop on AVX2 EPYCs.
+        for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + f * kBlockBytes + line), _MM_HINT_T0);
+        if (f % 2 == 0) {  // a 64-byte line holds two blocks' 16 fp16 scales (and mins)
+          _mm_prefetch(reinterpret_cast<const char*>(next + quant_bytes(t, k) + f * kPanel * 2), _MM_HINT_T0);
+          if (t.has_mins) _mm_prefetch(reinterpret_cast<const char*>(next + quant_bytes(t, k) + (k / Flush + f) * kPanel * 2), _MM_HINT_T0);
+        }
+      }
+      constexpr int kGroup = kInt16Group<Bits, E2M1>;
       __m256i iacc[MR];
-      for (int m = 0; m < MR; ++m) iacc[m] = _mm256_setzero_si256();
-      for (int c = 0; c < Flush / 8; ++c) {
-        __m256i lo, hi;
-        half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
-        for (int m = 0; m < MR; ++m) iacc[m] = dot8(iacc[m], lo, hi, xrow[m] + k0 + 8 * c);
+      for (int g = 0; g < Flush / 4 / kGroup; ++g) {
+        __m256i sums16[MR];
+        for (int c = g * kGroup / 2; c < (g + 1) * kGroup / 2; ++c) {
+          __m256i lo, hi;
+          half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i pairs = pair_sums(lo, hi, xrow[m] + k0 + 8 * c);
+            sums16[m] = c == g * kGroup / 2 ? pairs : _mm256_add_epi16(sums16[m], pairs);
+          }
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i sums32 = _mm256_madd_epi16(sums16[m], _mm256_set1_epi16(1));
+          iacc[m] = g == 0 ? sums32 : _mm256_add_epi32(iacc[m], sums32);
+        }
       }
       const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + f * kPanel + 8 * half)));
       const __m256 mn = t.has_mins
@@ -490,9 +522,11 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
 
 // y[m, panel rows] for MR activation rows starting at m0, over one panel.
 template <int Bits, int Flush, int MR, bool E2M1>
-void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  panel_kernel_avx2<Bits, Flush, MR, E2M1>(t, panel, a, m0, out);
+// next: the panel after this one (null if none), which the AVX2 kernel prefetches as it goes.
+void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
+                  [[maybe_unused]] const uint8_t* next) {
+#if PAGEDLLM_INT8_AVX2_KERNEL
+  panel_kernel_avx2<Bits, Flush, MR, E2M1>(t, panel, a, m0, out, next);
 #else
   const int64_t k = a.k;
   const uint8_t* quants = panel;
@@ -601,10 +635,13 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
     vec16 out[kMaxRows];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = w + p * pb;
-      if (p + 1 < end) {
+      const uint8_t* next = p + 1 < end ? panel + pb : nullptr;
+#if !PAGEDLLM_INT8_AVX2_KERNEL
+      if (next != nullptr) {
         // The next panel streams in from memory while this one is multiplied.
-        for (int64_t line = 0; line < pb; line += 64) __builtin_prefetch(panel + pb + line, 0, 3);
+        for (int64_t line = 0; line < pb; line += 64) __builtin_prefetch(next + line, 0, 3);
       }
+#endif
       const int64_t n0 = p * kPanel;
       const int rows = static_cast<int>(std::min<int64_t>(kPanel, n_rows - n0));
       vec16 b = {};
@@ -615,19 +652,19 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
         const int64_t left = m_rows - m;
         int mr;
         if (kMaxRows == 8 && left >= 8) {
-          panel_kernel<Bits, Flush, kMaxRows, E2M1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, kMaxRows, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = kMaxRows;
         } else if (left >= 4) {
-          panel_kernel<Bits, Flush, 4, E2M1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 4, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 4;
         } else if (left == 3) {
-          panel_kernel<Bits, Flush, 3, E2M1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 3, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 3;
         } else if (left == 2) {
-          panel_kernel<Bits, Flush, 2, E2M1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 2, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 2;
         } else {
-          panel_kernel<Bits, Flush, 1, E2M1>(t, panel, a, m, out);
+          panel_kernel<Bits, Flush, 1, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 1;
         }
         for (int i = 0; i < mr; ++i) {
@@ -690,7 +727,7 @@ std::string int8_dot_isa() {
 }
 
 // Whether `format` can be tiled on this build: 8-bit quants up to 255 would overflow the AVX2 kernel's
-// int16 pair sums (dot8), so Q8_0 and int8 rows need a VNNI dot product or the portable loop.
+// int16 pair sums (kInt16Group), so Q8_0 and int8 rows need a VNNI dot product or the portable loop.
 bool int8_tiling_supported(int64_t format) {
   switch (format) {
     case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: case F_MXFP4:
