@@ -47,7 +47,7 @@ def main() -> None:
     for name, n, k, type_name in SHAPES:
         qtype = GGMLQuantizationType[type_name]
         packed = torch.from_numpy(np.ascontiguousarray(random_packed(rng, qtype, n, k)))
-        tiled = kernels.int8_tile_weight(packed, qtype.value, k)
+        tiled = kernels.int8_tile_weight(packed, qtype.value, k, None)
         for m in args.rows:
             x = torch.randn(m, k)
             repeats = max(3, min(30, int(2e9 / (n * k * max(m, 8)))))

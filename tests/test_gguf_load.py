@@ -144,8 +144,7 @@ def test_released_pages_read_back_the_same(tmp_path):
 @pytest.mark.parametrize("types", ["Q4_0", Q4_K_M])
 def test_parts_tiled_apart_equal_the_joined_tiling(types, tmp_path, monkeypatch):
     """q/k/v and gate/up tiled part by part and joined are the tiling of the joined packed rows,
-    one segment per layer as before, and (in the arena) a view, not a copy."""
-    from pagedllm.kernels.huge_pages import huge_pages_enabled
+    one segment per layer as before, and (in the tile arena) a view, not a copy."""
     from pagedllm.quantization.int8_tiles import Int8TiledTensor, int8_tiling_reason, tile_for_int8
 
     if int8_tiling_reason(torch.device("cpu")) is not None:
@@ -184,5 +183,4 @@ def test_parts_tiled_apart_equal_the_joined_tiling(types, tmp_path, monkeypatch)
             assert not remaining
             storages |= {seg.weight.data.untyped_storage().data_ptr() for seg in weight.segments}
     assert checked >= 4
-    if huge_pages_enabled():
-        assert len(storages) == 1  # joined in the arena as views: no copy of their own
+    assert len(storages) == 1  # tiled one after another into one arena, joined as views: no copies

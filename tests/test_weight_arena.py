@@ -13,12 +13,22 @@ from pagedllm.kernels import use_kernel_config
 from pagedllm.layers.cpu_gemm import panels_supported
 from pagedllm.models import build_model, load_model_config
 from pagedllm.models.weight_arena import _weight_slots
+from pagedllm.quantization.int8_tiles import int8_tiling_reason
 
 pytestmark = pytest.mark.kernels
 
 
-def _storages(model) -> set[int]:
-    return {tensor.untyped_storage().data_ptr() for tensor, _ in _weight_slots(model)}
+def _storages(model, tiles: bool = False) -> set[int]:
+    """The storages of the weights the arena moves (tiles=False) or of the int8 tilings (True), which
+    are tiled straight into an arena of their own and stay there."""
+    from pagedllm.quantization.int8_tiles import Int8TiledTensor
+
+    tiled = set()
+    for module in model.modules():
+        for seg in getattr(getattr(module, "weight", None), "segments", []):
+            if isinstance(seg.weight, Int8TiledTensor):
+                tiled.add(id(seg.weight.data))
+    return {tensor.untyped_storage().data_ptr() for tensor, _ in _weight_slots(model) if (id(tensor) in tiled) == tiles}
 
 
 def _gguf_model(path: str):
@@ -40,6 +50,8 @@ def test_weights_move_into_one_arena_and_compute_the_same(kind, tmp_path, monkey
         model_config, model = _gguf_model(path)
     assert len(_weight_slots(model)) >= 4 * model_config.hf_config.num_hidden_layers
     assert len(_storages(model)) == 1
+    if kind == "gguf" and int8_tiling_reason(torch.device("cpu")) is None:
+        assert len(_storages(model, tiles=True)) == 1
     moved = _step_logits(model, model_config)
 
     with use_kernel_config(huge_pages=False):

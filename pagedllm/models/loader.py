@@ -383,18 +383,21 @@ def build_model(model_config: ModelConfig, device: torch.device | str = "cpu") -
     model = model.to_empty(device=device)
     model.load_weights(iter_weights(model_config))
     model.requires_grad_(False)
+    tile_arena = None
     if packed:
-        from pagedllm.quantization.apply import settle_packed_weights
-        from pagedllm.quantization.int8_tiles import resolve_int8_activations
+        from pagedllm.quantization.apply import int8_tile_arena, settle_packed_weights
+        from pagedllm.quantization.int8_tiles import resolve_int8_activations, tiling_into
 
-        # Tiled parts stay apart until the arena has placed them back to back (joined without a copy).
-        settle_packed_weights(model, device, resolve_int8_activations(model_config.int8_activations, device),
-                              merge_tiles=False)
+        int8_activations = resolve_int8_activations(model_config.int8_activations, device)
+        tile_arena = int8_tile_arena(model, device, int8_activations)
+        # Tiled parts stay apart until the arenas have placed them back to back (joined without a copy).
+        with tiling_into(tile_arena):
+            settle_packed_weights(model, device, int8_activations, merge_tiles=False)
     elif model_config.int8_activations:
         raise ValueError("int8_activations=True needs quantized weights: a GGUF file, or quantization='int8' / 'int4'.")
     pack_linears(model, device, model_config.dtype)
     if device.type == "cpu":
-        move_weights_to_arena(model)
+        move_weights_to_arena(model, placed=tile_arena.holds if tile_arena is not None else None)
     if packed:
         from pagedllm.quantization.apply import merge_tiled_segments
 

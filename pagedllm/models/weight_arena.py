@@ -10,7 +10,8 @@ of the originals in runs of a few pages. One mapping in huge pages (pagedllm/ker
 every packed weight back to back, so the layout no longer depends on the load's history.
 
 What moves: our panel-packed float weights (linear layers and the LM head) and the row segments of
-quantized weights (int8 tiles, packed blocks, float rows). Plain parameters (norms, biases, a float
+quantized weights (packed blocks, float rows; int8 tiles only where they were not tiled straight
+into one buffer of their own, quantization/int8_tiles.py's TileArena). Plain parameters (norms, biases, a float
 embedding looked up by rows) and oneDNN's opaque weights stay. ``PAGEDLLM_HUGE_PAGES=0`` leaves
 everything where it was loaded.
 """
@@ -37,11 +38,12 @@ _TRIM_EVERY = 64 << 20  # bytes of old copies freed between returns of free memo
 Slot = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
 
-def move_weights_to_arena(model: nn.Module) -> int:
-    """Copy the model's packed CPU weights into one huge-page mapping; returns the bytes moved."""
+def move_weights_to_arena(model: nn.Module, placed: Callable[[torch.Tensor], bool] | None = None) -> int:
+    """Copy the model's packed CPU weights into one huge-page mapping; returns the bytes moved.
+    Weights for which ``placed`` is true (int8 tilings already back to back in their arena) stay."""
     if not huge_pages_enabled():
         return 0
-    slots = _weight_slots(model)
+    slots = [slot for slot in _weight_slots(model) if placed is None or not placed(slot[0])]
     if not slots:
         return 0
     sizes = [_aligned(tensor.numel() * tensor.element_size()) for tensor, _ in slots]

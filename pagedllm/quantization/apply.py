@@ -10,8 +10,9 @@ With int8 activations each loaded part (q, k and v; gate and up) is re-tiled on 
 from the rows the loader gave (a GGUF file's mapped blocks), rather than first joined into one
 packed copy and then tiled: 16-row panels never straddle parts whose rows are a multiple of 16, so
 the parts' tilings one after another are the joined weight's tiling byte for byte.
-``merge_tiled_segments`` then makes them one tiled weight again, as a view where the huge-page
-arena has placed them back to back (no copy), else as one copy.
+``merge_tiled_segments`` then makes them one tiled weight again, as a view where they lie back to
+back (tiled one after another into ``int8_tile_arena``, or placed so by the weight arena), else as
+one copy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from pagedllm.layers.cpu_gemm import PackableLinear
 from pagedllm.layers.parallel_layers import VocabParallelEmbedding
 from pagedllm.quantization.int8_tiles import PANEL_ROWS as _PANEL_ROWS
-from pagedllm.quantization.int8_tiles import Int8TiledTensor, tile_for_int8
+from pagedllm.quantization.int8_tiles import Int8TiledTensor, TileArena, tile_for_int8, tiled_bytes
 from pagedllm.quantization.mapped_file import release_pages
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
 
@@ -48,6 +49,21 @@ def use_packed_weights(
         module.weight = QuantizedWeight(rows, cols, dtype, quantizer)
         count += 1
     return count
+
+
+def int8_tile_arena(model: nn.Module, device: torch.device, int8_activations: bool) -> TileArena | None:
+    """An arena with room for the int8 tilings of every packed part of the model (its parts' sizes
+    bound a joined weight's), or None where nothing is tiled."""
+    if not (int8_activations and device.type == "cpu"):
+        return None
+    capacity = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight):
+            for seg in weight.segments:
+                if isinstance(seg.weight, PackedTensor) and seg.weight.input_order is None:
+                    capacity += tiled_bytes(seg.weight.fmt, seg.weight.data.shape[0], seg.weight.in_features) or 0
+    return TileArena(capacity) if capacity else None
 
 
 def settle_packed_weights(model: nn.Module, device: torch.device, int8_activations: bool = False,

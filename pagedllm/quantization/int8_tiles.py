@@ -23,6 +23,8 @@ row count, so batch invariance keeps int8 at every row count.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,58 @@ def resolve_int8_activations(requested: bool | None, device: torch.device) -> bo
     return reason is None
 
 
+_ALIGN = 64  # a cache line: what the kernels' vector loads assume at most
+
+
+class TileArena:
+    """One buffer that int8 tilings are written into, one after another, as they are made.
+
+    The tilings are the weights' final place: the weight arena (models/weight_arena.py) does not copy
+    them again, and parts tiled one after another lie back to back, so joining them is a view
+    (apply._joined). Loading Qwen3-4B Q4_K_M on a 2-core AVX2 VM took 12-15 s with the tilings
+    copied into the huge-page weight arena (6.6-7.2 s of it the copy), 12-13 s with them tiled into
+    huge pages directly (the first writes to 2.7 GB of fresh huge pages cost ~5 s there), and
+    7.6-7.7 s into this buffer of ordinary pages, with decode speed the same within the run's noise
+    (6.4-7.1 tok/s each way). Pages past the last tiling are never touched, so never resident."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = torch.empty(capacity, dtype=torch.uint8)
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        start = -(-self.used // _ALIGN) * _ALIGN
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.used = start + nbytes
+        return self.buffer[start:start + nbytes]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        begin = self.buffer.data_ptr()
+        return begin <= tensor.data_ptr() < begin + self.buffer.numel()
+
+
+_arena: TileArena | None = None
+
+
+@contextlib.contextmanager
+def tiling_into(arena: TileArena | None) -> Iterator[None]:
+    """Within the block, ``tile_for_int8`` writes its tilings into ``arena`` (None: new tensors)."""
+    global _arena
+    previous, _arena = _arena, arena
+    try:
+        yield
+    finally:
+        _arena = previous
+
+
+def tiled_bytes(fmt: Format, rows: int, in_features: int) -> int | None:
+    """Bytes of the int8 tiling of a ``[rows, in_features]`` weight, None where it is not tiled here."""
+    module = cpu_kernels()
+    if in_features % 32 or not module.int8_tiling_supported(fmt.id):
+        return None
+    return module.int8_tiled_bytes(fmt.id, rows, in_features) + _ALIGN
+
+
 def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8TiledTensor | None:
     """The int8 tiling of packed rows, or None where this format / shape cannot be tiled on this CPU."""
     module = cpu_kernels()
@@ -98,4 +152,6 @@ def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8Tile
         return None
     if not module.int8_tiling_exact(data, fmt.id, in_features):  # an MXFP4 scale no fp16 holds
         return None
-    return Int8TiledTensor(module.int8_tile_weight(data, fmt.id, in_features), fmt, data.shape[0], in_features)
+    rows = data.shape[0]
+    out = _arena.take(module.int8_tiled_bytes(fmt.id, rows, in_features)) if _arena is not None else None
+    return Int8TiledTensor(module.int8_tile_weight(data, fmt.id, in_features, out), fmt, rows, in_features)

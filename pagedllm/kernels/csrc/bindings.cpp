@@ -69,7 +69,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_isa", &int8_dot_isa, "The integer dot product the int8 kernels were built with");
   m.def("int8_tiling_supported", &int8_tiling_supported, "Whether a packed format can be int8-tiled here");
   m.def("int8_tiling_exact", &int8_tiling_exact, "Whether the int8 tiling holds a packed weight exactly");
-  m.def("int8_tile_weight", &int8_tile_weight, "A packed weight re-tiled for int8 dot products (CPU)");
+  m.def("int8_tiled_bytes", &int8_tiled_bytes, "Bytes of the int8 tiling of an [n, k] weight");
+  m.def("int8_tile_weight", &int8_tile_weight,
+        "A packed weight re-tiled for int8 dot products, into out where given (else a new tensor) (CPU)");
   m.def("int8_tiled_rows", &int8_tiled_rows, "Rows of an int8-tiled weight as float32 (CPU)");
   m.def("int8_linear", &int8_linear,
         "int8(x) @ W^T + bias over an int8-tiled weight; from amx_min_rows rows on (0: never), on AMX, "

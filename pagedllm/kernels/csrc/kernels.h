@@ -53,7 +53,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t format, int64_
 std::string int8_dot_isa();
 bool int8_tiling_supported(int64_t format);
 bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k);
-at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k);
+int64_t int8_tiled_bytes(int64_t format, int64_t n, int64_t k);
+at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k, c10::optional<at::Tensor> out);
 at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k, at::Tensor rows);
 at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n_rows, int64_t k,
                           c10::optional<at::Tensor> bias, int64_t amx_min_rows);

@@ -753,21 +753,34 @@ bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k) {
   return true;
 }
 
-// A packed weight [N, row_bytes] in `format` -> its int8 tiling [ceil(N / 16), panel_bytes].
-at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k) {
+// Bytes of the int8 tiling of an [n, k] weight in `format`: ceil(n / 16) panels.
+int64_t int8_tiled_bytes(int64_t format, int64_t n, int64_t k) {
+  return (n + kPanel - 1) / kPanel * panel_bytes(tiling_of(format), k);
+}
+
+// A packed weight [N, row_bytes] in `format` -> its int8 tiling [ceil(N / 16), panel_bytes], written
+// into `out` where given (uint8, contiguous, int8_tiled_bytes of them: a slice of the weight arena).
+at::Tensor int8_tile_weight(at::Tensor qweight, int64_t format, int64_t k, c10::optional<at::Tensor> out) {
   check_weight(qweight, format, k);
   TORCH_CHECK(int8_tiling_supported(format), "format ", format, " cannot be tiled for int8 on this CPU");
   TORCH_CHECK(k % kActBlock == 0, "in_features must be a multiple of ", kActBlock);
   const Tiling t = tiling_of(format);
   const int64_t n = qweight.size(0), rb = qweight.size(1), n_panels = (n + kPanel - 1) / kPanel;
-  auto out = at::empty({n_panels, panel_bytes(t, k)}, at::dtype(at::kByte));
-  const uint8_t* w = qweight.data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t pb = panel_bytes(t, k);
+  at::Tensor tiled;
+  if (out.has_value()) {
+    TORCH_CHECK(out->scalar_type() == at::kByte && out->is_contiguous() && out->numel() == n_panels * pb,
+                "out must be ", n_panels * pb, " contiguous bytes");
+    tiled = out->view({n_panels, pb});
+  } else {
+    tiled = at::empty({n_panels, pb}, at::dtype(at::kByte));
+  }
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  uint8_t* o = tiled.data_ptr<uint8_t>();
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) tile_panel(format, t, w, rb, n, p, k, o + p * pb);
   });
-  return out;
+  return tiled;
 }
 
 // Rows of a tiled weight as float32 (embedding lookups; tests).
