@@ -137,18 +137,23 @@ def tiling_into(arena: TileArena | None) -> Iterator[None]:
         _arena = previous
 
 
+def _tileable(fmt: Format, in_features: int) -> bool:
+    """Whether this CPU's kernels tile ``fmt`` at this width (MXFP4 also needs int8_tiling_exact)."""
+    return in_features % 32 == 0 and cpu_kernels().int8_tiling_supported(fmt.id)
+
+
 def tiled_bytes(fmt: Format, rows: int, in_features: int) -> int | None:
-    """Bytes of the int8 tiling of a ``[rows, in_features]`` weight, None where it is not tiled here."""
-    module = cpu_kernels()
-    if in_features % 32 or not module.int8_tiling_supported(fmt.id):
+    """Room a TileArena needs for the int8 tiling of a ``[rows, in_features]`` weight (its bytes and
+    the alignment before it), None where it is not tiled here."""
+    if not _tileable(fmt, in_features):
         return None
-    return module.int8_tiled_bytes(fmt.id, rows, in_features) + _ALIGN
+    return cpu_kernels().int8_tiled_bytes(fmt.id, rows, in_features) + _ALIGN
 
 
 def tile_for_int8(data: torch.Tensor, fmt: Format, in_features: int) -> Int8TiledTensor | None:
     """The int8 tiling of packed rows, or None where this format / shape cannot be tiled on this CPU."""
     module = cpu_kernels()
-    if in_features % 32 or not module.int8_tiling_supported(fmt.id):
+    if not _tileable(fmt, in_features):
         return None
     if not module.int8_tiling_exact(data, fmt.id, in_features):  # an MXFP4 scale no fp16 holds
         return None
