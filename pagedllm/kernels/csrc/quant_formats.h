@@ -153,14 +153,21 @@ typedef float vec8 __attribute__((vector_size(32)));
 // their 12 bytes s of 6-bit fields in a few vector operations. ggml's rule: for j < 4,
 // sc = s[j] & 63, m = s[j + 4] & 63; else sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4 and
 // m = (s[j + 4] >> 4) | (s[j] >> 6) << 4.
-inline void k_scales_mins(const uint8_t* blk, float* scale, float* offset) {
+// The 8 six-bit scales sc and mins m of a Q4_K / Q5_K block: sub-block j's values are
+// d * sc[j] * q - dmin * m[j].
+inline void k_subscales(const uint8_t* blk, i32x8* sc, i32x8* m) {
   const i32x16 s = widen_u8(blk + 4);  // bytes 0..11 are the fields; 12..15 (the next field) unused
   const i32x8 p = __builtin_shufflevector(s, s, 0, 1, 2, 3, 0, 1, 2, 3);
   const i32x8 q = __builtin_shufflevector(s, s, 4, 5, 6, 7, 4, 5, 6, 7);
   const i32x8 r = __builtin_shufflevector(s, s, 8, 9, 10, 11, 8, 9, 10, 11);
   const i32x8 first = {-1, -1, -1, -1, 0, 0, 0, 0};  // j < 4
-  const i32x8 sc = (first & (p & 63)) | (~first & ((r & 0xF) | ((p >> 6) << 4)));
-  const i32x8 m = (first & (q & 63)) | (~first & ((r >> 4) | ((q >> 6) << 4)));
+  *sc = (first & (p & 63)) | (~first & ((r & 0xF) | ((p >> 6) << 4)));
+  *m = (first & (q & 63)) | (~first & ((r >> 4) | ((q >> 6) << 4)));
+}
+
+inline void k_scales_mins(const uint8_t* blk, float* scale, float* offset) {
+  i32x8 sc, m;
+  k_subscales(blk, &sc, &m);
   const vec8 scales = __builtin_convertvector(sc, vec8) * half_to_float(blk);
   const vec8 offsets = __builtin_convertvector(m, vec8) * -half_to_float(blk + 2);
   std::memcpy(scale, &scales, 32);

@@ -13,10 +13,19 @@
 //            gives two [16 rows x 4 inputs] operands after an and / a shift.
 //            6-bit (Q6_K): per 16 inputs, two such nibble chunks then a chunk whose byte 4r + j holds
 //            the high 2 bits of the 4 [16 x 4] operands (bits 2s, 2s + 1 for operand s).
+//            5-bit (Q5_K, AVX2 builds): per 32 inputs, four nibble chunks as 4-bit, then a chunk whose
+//            byte 4r + j holds the high bits of the 8 [16 x 4] operands (bit s for operand s).
 //            8-bit: one chunk per 4 inputs, a byte per quant.
 //   scales:  per block of `flush` inputs (32; 16 for Q6_K), 16 fp16 scales S (one per row);
 //   mins:    per block, 16 fp16 offsets O when the format has them (Q4_1, Q4_K, Q5_K, int4 groups);
 //            otherwise O = c * S with the format's constant c (Q4_0: -8, Q6_K: -32, 8-bit: -128).
+// Sub-scales (the K-quants in AVX2 builds): the file's integer scales stay integers, as bytes per
+// block and row (Q6_K's signed), under one fp16 per 256 inputs and row: S = d * sc, O = dmin * m
+// (dmin stored negated). Regions: sc [K/flush][16], m [K/flush][16], d [K/256][16], dmin [K/256][16].
+// Q4_K reads 4.625 bits per weight so (5 with fp16 scales and mins per block; the file's 4.5),
+// Q6_K 6.5625 (7; the file's 6.5625), Q5_K 5.625 (9 as bytes; the file's 5.5): decode streams the
+// weights once per token, so its time follows these bytes. The AVX-512 kernel and the AMX decoder
+// read fp16 block scales, so VNNI builds keep them.
 // A weight is S * q + O with q the unsigned quant, so a block's contribution to y[m, n] is
 //   dx * S * sum(q * xq) + O * dx * sum(xq)
 // with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
@@ -53,23 +62,37 @@ using namespace pagedllm_quant;
 
 constexpr int kPanel = 16;       // output rows per panel (the lanes of one int32 vector)
 constexpr int kActBlock = 32;    // activation values per int8 scale
+constexpr int kSuper = 256;      // inputs per fp16 scale over integer sub-scales (a K-quant block)
 
 typedef uint8_t u8x64 __attribute__((vector_size(64)));
 
 struct Tiling {
-  int bits;        // 4, 6 or 8
+  int bits;        // 4, 5, 6 or 8
   int flush;       // inputs per weight scale block
   bool has_mins;   // offsets stored (else O = min_factor * S)
   float min_factor;
   bool e2m1;       // nibbles are e2m1 codes, mapped to quants by a table (MXFP4)
+  bool sub_scales = false;  // integer scales per block under an fp16 per kSuper inputs (else fp16 per block)
+  bool signed_sub = false;  // sub-scales are int8 (Q6_K), else uint8
 };
+
+// A tiling's scale form, fixed per kernel instance so that its loop carries no branch on it: fp16 per
+// block, or integer sub-scales (uint8 with uint8 mins: Q4_K, Q5_K; int8 without: Q6_K).
+enum class SubScales { kNone, kUnsignedWithMins, kSigned };
 
 Tiling tiling_of(int64_t format) {
   switch (format) {
     case F_Q4_0: return {4, 32, false, -8.f, false};
-    case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: return {4, 32, true, 0.f, false};
+    case F_Q4_1: case F_I4_G64: case F_I4_G128: return {4, 32, true, 0.f, false};
+#if PAGEDLLM_INT8_AVX2_KERNEL
+    case F_Q4_K: return {4, 32, true, 0.f, false, true};
+    case F_Q5_K: return {5, 32, true, 0.f, false, true};
+    case F_Q6_K: return {6, 16, false, -32.f, false, true, true};
+#else
+    case F_Q4_K: return {4, 32, true, 0.f, false};
     case F_Q5_K: return {8, 32, true, 0.f, false};
     case F_Q6_K: return {6, 16, false, -32.f, false};
+#endif
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f, false};
     case F_MXFP4: return {4, 32, false, -12.f, true};
   }
@@ -78,7 +101,30 @@ Tiling tiling_of(int64_t format) {
 
 int64_t quant_bytes(const Tiling& t, int64_t k) { return kPanel * k * t.bits / 8; }
 int64_t panel_bytes(const Tiling& t, int64_t k) {
-  return quant_bytes(t, k) + (k / t.flush) * kPanel * 2 * (t.has_mins ? 2 : 1);
+  const int64_t per_block = t.sub_scales ? 1 : 2;  // an integer sub-scale, or an fp16
+  const int64_t supers = t.sub_scales ? k / kSuper : 0;
+  return quant_bytes(t, k) + ((k / t.flush) * per_block + supers * 2) * kPanel * (t.has_mins ? 2 : 1);
+}
+
+// A panel's scale regions, after its quants. Without sub-scales: scales, mins as fp16 [K/flush][16].
+// With them: sub, sub_mins [K/flush][16] bytes, then scales, mins as fp16 [K/super][16].
+struct PanelScales {
+  const uint16_t* scales;
+  const uint16_t* mins;
+  const uint8_t* sub;
+  const uint8_t* sub_mins;
+};
+
+PanelScales panel_scales(const Tiling& t, const uint8_t* panel, int64_t k) {
+  const uint8_t* at = panel + quant_bytes(t, k);
+  const int64_t blocks = k / t.flush;
+  if (!t.sub_scales) {
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(at);
+    return {scales, scales + blocks * kPanel, nullptr, nullptr};
+  }
+  const uint8_t* sub_mins = at + blocks * kPanel;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(sub_mins + (t.has_mins ? blocks * kPanel : 0));
+  return {scales, scales + (k / kSuper) * kPanel, at, sub_mins};
 }
 
 // ---- Reading one source row as unsigned integer quants and per-block float scale / offset ----
@@ -194,6 +240,29 @@ void row_quants(int64_t format, const uint8_t* row, int64_t k, const Tiling& t, 
   }
 }
 
+// A K-quant row's integer sub-scales: sub[K/flush] (Q6_K's as int8 bits), sub_min[K/flush], and per 256
+// inputs d and -dmin (exact fp16s: the file's), such that S = d * sub, O = -dmin * sub_min.
+void row_subscales(int64_t format, const uint8_t* row, int64_t k, uint8_t* sub, uint8_t* sub_min, float* d,
+                   float* neg_dmin) {
+  const int64_t bb = block_bytes(format);
+  for (int64_t b = 0; b < k / 256; ++b) {
+    const uint8_t* blk = row + b * bb;
+    if (format == F_Q6_K) {
+      d[b] = half_to_float(blk + 208);
+      std::memcpy(sub + b * 16, blk + 192, 16);
+      continue;
+    }
+    i32x8 sc, m;
+    k_subscales(blk, &sc, &m);
+    for (int j = 0; j < 8; ++j) {
+      sub[b * 8 + j] = static_cast<uint8_t>(sc[j]);
+      sub_min[b * 8 + j] = static_cast<uint8_t>(m[j]);
+    }
+    d[b] = half_to_float(blk);
+    neg_dmin[b] = -half_to_float(blk + 2);
+  }
+}
+
 inline uint16_t to_half_bits(float v) {
 #if defined(__F16C__)
   return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
@@ -222,6 +291,14 @@ inline void quant_position(const Tiling& t, int r, int64_t i, int64_t* byte, int
     *shift = (i % 8) >= 4 ? 4 : 0;
     return;
   }
+  if (t.bits == 5) {  // per 32 inputs: four nibble chunks, then the high-bit chunk
+    const int64_t group = i / 32, within = i % 32;
+    *byte = group * 320 + (within / 8) * 64 + 4 * r + j;
+    *shift = (within % 8) >= 4 ? 4 : 0;
+    *high_byte = group * 320 + 256 + 4 * r + j;
+    *high_shift = static_cast<int>(within / 4);
+    return;
+  }
   // 6-bit: per 16 inputs, nibble chunks for inputs 0..7 and 8..15, then the high-bit chunk.
   const int64_t group = i / 16, within = i % 16;
   *byte = group * 192 + (within / 8) * 64 + 4 * r + j;
@@ -233,10 +310,13 @@ inline void quant_position(const Tiling& t, int r, int64_t i, int64_t* byte, int
 void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, int64_t n_rows, int64_t p, int64_t k,
                 uint8_t* out) {
   std::memset(out, 0, panel_bytes(t, k));
-  std::vector<uint8_t> q(k);
+  std::vector<uint8_t> q(k), sub(k / t.flush), sub_min(k / t.flush);
   std::vector<float> scale(k / t.flush), offset(k / t.flush);
-  uint16_t* scales = reinterpret_cast<uint16_t*>(out + quant_bytes(t, k));
-  uint16_t* mins = scales + (k / t.flush) * kPanel;
+  const int64_t supers = t.sub_scales ? k / kSuper : 0;
+  std::vector<float> d(supers), neg_dmin(supers);
+  const PanelScales ps = panel_scales(t, out, k);
+  uint16_t* scales = const_cast<uint16_t*>(ps.scales);
+  uint16_t* mins = const_cast<uint16_t*>(ps.mins);
   for (int r = 0; r < kPanel; ++r) {
     const int64_t n = p * kPanel + r;
     if (n >= n_rows) break;  // padding rows stay zero: zero scales, zero quants
@@ -250,6 +330,16 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
     } else if (t.bits == 4) {
       for (int64_t i = 0; i < k; i += 8, dst += 64)
         for (int j = 0; j < 4; ++j) dst[j] = static_cast<uint8_t>(qr[i + j] | (qr[i + 4 + j] << 4));
+    } else if (t.bits == 5) {
+      for (int64_t i = 0; i < k; i += 32, dst += 320) {
+        for (int j = 0; j < 4; ++j) {
+          uint8_t high = 0;
+          for (int s = 0; s < 8; ++s) high |= static_cast<uint8_t>(((qr[i + 4 * s + j] >> 4) & 1) << s);
+          for (int c = 0; c < 4; ++c)
+            dst[64 * c + j] = static_cast<uint8_t>((qr[i + 8 * c + j] & 0xF) | ((qr[i + 8 * c + 4 + j] & 0xF) << 4));
+          dst[256 + j] = high;
+        }
+      }
     } else {
       for (int64_t i = 0; i < k; i += 16, dst += 192) {
         for (int j = 0; j < 4; ++j) {
@@ -260,11 +350,40 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
         }
       }
     }
+    if (!t.sub_scales) {
+      for (int64_t f = 0; f < k / t.flush; ++f) {
+        scales[f * kPanel + r] = to_half_bits(scale[f]);
+        if (t.has_mins) mins[f * kPanel + r] = to_half_bits(offset[f]);
+      }
+      continue;
+    }
+    row_subscales(format, w + n * rb, k, sub.data(), sub_min.data(), d.data(), neg_dmin.data());
+    uint8_t* sub_out = const_cast<uint8_t*>(ps.sub);
+    uint8_t* sub_min_out = const_cast<uint8_t*>(ps.sub_mins);
     for (int64_t f = 0; f < k / t.flush; ++f) {
-      scales[f * kPanel + r] = to_half_bits(scale[f]);
-      if (t.has_mins) mins[f * kPanel + r] = to_half_bits(offset[f]);
+      sub_out[f * kPanel + r] = sub[f];
+      if (t.has_mins) sub_min_out[f * kPanel + r] = sub_min[f];
+    }
+    for (int64_t b = 0; b < supers; ++b) {
+      scales[b * kPanel + r] = to_half_bits(d[b]);
+      if (t.has_mins) mins[b * kPanel + r] = to_half_bits(neg_dmin[b]);
     }
   }
+}
+
+// Row r's scale S and offset O for block f of a panel (value = S * q + O).
+inline void block_scale(const Tiling& t, const PanelScales& ps, int64_t f, int r, float* scale, float* offset) {
+  if (!t.sub_scales) {
+    *scale = from_half_bits(ps.scales[f * kPanel + r]);
+    *offset = t.has_mins ? from_half_bits(ps.mins[f * kPanel + r]) : *scale * t.min_factor;
+    return;
+  }
+  const int64_t b = f * t.flush / kSuper;
+  const uint8_t sub = ps.sub[f * kPanel + r];
+  const float sc = t.signed_sub ? static_cast<float>(static_cast<int8_t>(sub)) : static_cast<float>(sub);
+  *scale = sc * from_half_bits(ps.scales[b * kPanel + r]);
+  *offset = t.has_mins ? static_cast<float>(ps.sub_mins[f * kPanel + r]) * from_half_bits(ps.mins[b * kPanel + r])
+                       : *scale * t.min_factor;
 }
 
 // ---- The integer dot-product step: acc[lane] += sum_j w[4 lane + j] * x[j] ----
@@ -420,6 +539,14 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
 // Each lane's float arithmetic is panel_kernel's, in its order (dx * S * sum(q * xq) + O * sx per
 // block, explicit FMAs), so both give the same bits and a row's result never depends on MR.
 
+// Bit s of every byte of h, moved to bit 4 (a 5-bit quant's high bit). 16-bit shifts stand in for byte
+// shifts: the bits they carry across a byte boundary fall outside the mask.
+inline __m256i high_bit(__m256i h, int s) {
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  if (s <= 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - s), bit4);
+  return _mm256_and_si256(_mm256_srli_epi16(h, s - 4), bit4);
+}
+
 // The unsigned quants of inputs 8c .. 8c + 7 of block f, rows 8 half .. + 7: lo holds inputs
 // 8c + 0..3, hi inputs 8c + 4..7 (6-bit blocks: c in 0..1 over the block's 16 inputs).
 template <int Bits, bool E2M1>
@@ -434,8 +561,15 @@ inline void half_operands(const uint8_t* quants, int64_t f, int c, int half, __m
       lo = _mm256_shuffle_epi8(table, lo);
       hi = _mm256_shuffle_epi8(table, hi);
     }
+  } else if constexpr (Bits == 5) {
+    const uint8_t* g = quants + f * 320 + 32 * half;
+    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64 * c));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 256));
+    lo = _mm256_or_si256(_mm256_and_si256(n, low), high_bit(h, 2 * c));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n, 4), low), high_bit(h, 2 * c + 1));
   } else if constexpr (Bits == 8) {
-    // Without VNNI only Q5_K's 5-bit quants are tiled as bytes (int8_tiling_supported).
+    // Without VNNI no format is tiled as bytes (int8_tiling_supported); int8_linear's dispatch still
+    // instantiates this.
     const uint8_t* g = quants + (f * 8 + 2 * c) * 64 + 32 * half;
     lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
     hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64));
@@ -460,33 +594,34 @@ inline __m256i pair_sums(__m256i lo, __m256i hi, const int8_t* x) {
 }
 
 // Operands of 4 inputs whose pair sums are added in int16 before one pmaddwd widens them: each pair sum
-// is at most 2 x q x 127 for quants q, so a group stays below 2^15 (4-bit 15: 8; MXFP4 24 and Q5_K
+// is at most 2 x q x 127 for quants q, so a group stays below 2^15 (4-bit 15: 8; MXFP4 24 and 5-bit
 // 31: 4; Q6_K 63: 2). The integer sum is exact in any grouping.
 template <int Bits, bool E2M1>
 constexpr int kInt16Group = Bits == 4 && !E2M1 ? 8 : Bits == 6 ? 2 : 4;
 
-template <int Bits, int Flush, int MR, bool E2M1>
+inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
 void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
-                       const uint8_t* next = nullptr) {
-  const int64_t k = a.k;
-  constexpr int kBlockBytes = Flush * kPanel * Bits / 8;
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
-  const uint16_t* mins = scales + (k / Flush) * kPanel;
+                       const uint8_t* next) {
+  const int64_t k = a.k, blocks = k / Flush, pb = panel_bytes(t, k);
+  const int64_t share = pb / blocks;  // bytes of the next panel prefetched per block; the last takes the rest
+  const PanelScales ps = panel_scales(t, panel, k);
   const int8_t* xrow[MR];
   for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
   for (int half = 0; half < 2; ++half) {
     __m256 acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t f = 0; f < k / Flush; ++f) {
+    for (int64_t f = 0; f < blocks; ++f) {
       const int64_t k0 = f * Flush;
       if (next != nullptr && half == 0) {
-        // The next panel's block streams in beside this one's arithmetic: a prefetch of the whole
-        // next panel at once (the AVX-512 loop's) stalled this loop on AVX2 EPYCs.
-        for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + f * kBlockBytes + line), _MM_HINT_T0);
-        if (f % 2 == 0) {  // a 64-byte line holds two blocks' 16 fp16 scales (and mins)
-          _mm_prefetch(reinterpret_cast<const char*>(next + quant_bytes(t, k) + f * kPanel * 2), _MM_HINT_T0);
-          if (t.has_mins) _mm_prefetch(reinterpret_cast<const char*>(next + quant_bytes(t, k) + (k / Flush + f) * kPanel * 2), _MM_HINT_T0);
-        }
+        // The next panel streams in beside this one's arithmetic, an equal share of its bytes per
+        // block: a prefetch of the whole next panel at once (the AVX-512 loop's) stalled this loop
+        // on AVX2 EPYCs.
+        const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? pb : (f + 1) * share;
+        for (int64_t line = from; line < to; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
       }
       constexpr int kGroup = kInt16Group<Bits, E2M1>;
       __m256i iacc[MR];
@@ -505,10 +640,23 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
           iacc[m] = g == 0 ? sums32 : _mm256_add_epi32(iacc[m], sums32);
         }
       }
-      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + f * kPanel + 8 * half)));
-      const __m256 mn = t.has_mins
-          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + f * kPanel + 8 * half)))
-          : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+      __m256 sc, mn;
+      if constexpr (Sub == SubScales::kNone) {
+        sc = half8(ps.scales + f * kPanel + 8 * half);
+        mn = t.has_mins ? half8(ps.mins + f * kPanel + 8 * half) : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+      } else {
+        // S = d * sc and O = -dmin * m, exact in float (an fp16 times a 6-bit integer): block_scale's.
+        const int64_t b = k0 / kSuper;
+        const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub + f * kPanel + 8 * half));
+        const __m256i sub32 = Sub == SubScales::kSigned ? _mm256_cvtepi8_epi32(sub) : _mm256_cvtepu8_epi32(sub);
+        sc = _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), half8(ps.scales + b * kPanel + 8 * half));
+        if constexpr (Sub == SubScales::kUnsignedWithMins) {
+          const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub_mins + f * kPanel + 8 * half));
+          mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), half8(ps.mins + b * kPanel + 8 * half));
+        } else {
+          mn = _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+        }
+      }
       for (int m = 0; m < MR; ++m) {
         const __m256 dx = _mm256_set1_ps(a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock]);
         const __m256 sx = _mm256_set1_ps(a.sums[(m0 + m) * a.sums_per_row + f]);
@@ -520,13 +668,13 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
 }
 #endif
 
-// y[m, panel rows] for MR activation rows starting at m0, over one panel.
-template <int Bits, int Flush, int MR, bool E2M1>
-// next: the panel after this one (null if none), which the AVX2 kernel prefetches as it goes.
+// y[m, panel rows] for MR activation rows starting at m0, over one panel. next: the panel after this
+// one (null if none), which the AVX2 kernel prefetches as it goes.
+template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
 void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
                   [[maybe_unused]] const uint8_t* next) {
 #if PAGEDLLM_INT8_AVX2_KERNEL
-  panel_kernel_avx2<Bits, Flush, MR, E2M1>(t, panel, a, m0, out, next);
+  panel_kernel_avx2<Bits, Flush, MR, E2M1, Sub>(t, panel, a, m0, out, next);
 #else
   const int64_t k = a.k;
   const uint8_t* quants = panel;
@@ -626,7 +774,7 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxRows = 4;
 #endif
 
-template <int Bits, int Flush, bool E2M1 = false>
+template <int Bits, int Flush, bool E2M1 = false, SubScales Sub = SubScales::kNone>
 void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activations& a, int64_t m_rows,
                 const float* bias, float* y) {
   const int64_t k = a.k, pb = panel_bytes(t, k);
@@ -652,19 +800,19 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
         const int64_t left = m_rows - m;
         int mr;
         if (kMaxRows == 8 && left >= 8) {
-          panel_kernel<Bits, Flush, kMaxRows, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
+          panel_kernel<Bits, Flush, kMaxRows, E2M1, Sub>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = kMaxRows;
         } else if (left >= 4) {
-          panel_kernel<Bits, Flush, 4, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
+          panel_kernel<Bits, Flush, 4, E2M1, Sub>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 4;
         } else if (left == 3) {
-          panel_kernel<Bits, Flush, 3, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
+          panel_kernel<Bits, Flush, 3, E2M1, Sub>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 3;
         } else if (left == 2) {
-          panel_kernel<Bits, Flush, 2, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
+          panel_kernel<Bits, Flush, 2, E2M1, Sub>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 2;
         } else {
-          panel_kernel<Bits, Flush, 1, E2M1>(t, panel, a, m, out, m == 0 ? next : nullptr);
+          panel_kernel<Bits, Flush, 1, E2M1, Sub>(t, panel, a, m, out, m == 0 ? next : nullptr);
           mr = 1;
         }
         for (int i = 0; i < mr; ++i) {
@@ -801,8 +949,7 @@ at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int
       TORCH_CHECK(n >= 0 && n < n_rows, "row index ", n, " out of range [0, ", n_rows, ")");
       const uint8_t* panel = w + (n / kPanel) * pb;
       const int r = static_cast<int>(n % kPanel);
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
-      const uint16_t* mins = scales + (k / t.flush) * kPanel;
+      const PanelScales ps = panel_scales(t, panel, k);
       for (int64_t i = 0; i < k; ++i) {
         int64_t byte = 0, high_byte = 0;
         int shift = 0, high_shift = 0;
@@ -810,9 +957,9 @@ at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int
         int q = t.bits == 8 ? panel[byte] : (panel[byte] >> shift) & 0xF;
         if (t.e2m1) q = kE2M1Quants[q];
         if (t.bits == 6) q |= ((panel[high_byte] >> high_shift) & 3) << 4;
-        const int64_t f = i / t.flush;
-        const float s = from_half_bits(scales[f * kPanel + r]);
-        const float mn = t.has_mins ? from_half_bits(mins[f * kPanel + r]) : s * t.min_factor;
+        if (t.bits == 5) q |= ((panel[high_byte] >> high_shift) & 1) << 4;
+        float s = 0.f, mn = 0.f;
+        block_scale(t, ps, i / t.flush, r, &s, &mn);
         o[c * k + i] = s * static_cast<float>(q) + mn;
       }
     }
@@ -862,6 +1009,14 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n
   float* yp = y.data_ptr<float>();
   if (t.e2m1) {
     run_panels<4, 32, true>(t, w, n_rows, a, m, b, yp);
+#if PAGEDLLM_INT8_AVX2_KERNEL
+  } else if (t.sub_scales && t.bits == 4) {
+    run_panels<4, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
+  } else if (t.sub_scales && t.bits == 5) {
+    run_panels<5, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
+  } else if (t.sub_scales && t.bits == 6) {
+    run_panels<6, 16, false, SubScales::kSigned>(t, w, n_rows, a, m, b, yp);
+#endif
   } else if (t.bits == 4) {
     run_panels<4, 32>(t, w, n_rows, a, m, b, yp);
   } else if (t.bits == 6) {
