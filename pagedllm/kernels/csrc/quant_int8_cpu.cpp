@@ -603,6 +603,52 @@ inline __m256 half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// One scale block f of one half of a panel for MR rows: acc[m] += its contribution to rows 8 half .. + 7.
+template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
+__attribute__((always_inline)) inline void half_block_step(const Tiling& t, const uint8_t* panel, const PanelScales& ps, const Activations& a,
+                            const int8_t* const* xrow, int64_t m0, int64_t f, int half, __m256* acc) {
+  const int64_t k = a.k, k0 = f * Flush;
+  constexpr int kGroup = kInt16Group<Bits, E2M1>;
+  __m256i iacc[MR];
+  for (int g = 0; g < Flush / 4 / kGroup; ++g) {
+    __m256i sums16[MR];
+    for (int c = g * kGroup / 2; c < (g + 1) * kGroup / 2; ++c) {
+      __m256i lo, hi;
+      half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
+      for (int m = 0; m < MR; ++m) {
+        const __m256i pairs = pair_sums(lo, hi, xrow[m] + k0 + 8 * c);
+        sums16[m] = c == g * kGroup / 2 ? pairs : _mm256_add_epi16(sums16[m], pairs);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256i sums32 = _mm256_madd_epi16(sums16[m], _mm256_set1_epi16(1));
+      iacc[m] = g == 0 ? sums32 : _mm256_add_epi32(iacc[m], sums32);
+    }
+  }
+  __m256 sc, mn;
+  if constexpr (Sub == SubScales::kNone) {
+    sc = half8(ps.scales + f * kPanel + 8 * half);
+    mn = t.has_mins ? half8(ps.mins + f * kPanel + 8 * half) : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+  } else {
+    // S = d * sc and O = -dmin * m, exact in float (an fp16 times a 6-bit integer): block_scale's.
+    const int64_t b = k0 / kSuper;
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub + f * kPanel + 8 * half));
+    const __m256i sub32 = Sub == SubScales::kSigned ? _mm256_cvtepi8_epi32(sub) : _mm256_cvtepu8_epi32(sub);
+    sc = _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), half8(ps.scales + b * kPanel + 8 * half));
+    if constexpr (Sub == SubScales::kUnsignedWithMins) {
+      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub_mins + f * kPanel + 8 * half));
+      mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), half8(ps.mins + b * kPanel + 8 * half));
+    } else {
+      mn = _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m256 dx = _mm256_set1_ps(a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock]);
+    const __m256 sx = _mm256_set1_ps(a.sums[(m0 + m) * a.sums_per_row + f]);
+    acc[m] = _mm256_fmadd_ps(mn, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), _mm256_mul_ps(sc, dx), acc[m]));
+  }
+}
+
 template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
 void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
                        const uint8_t* next) {
@@ -611,57 +657,35 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
   const PanelScales ps = panel_scales(t, panel, k);
   const int8_t* xrow[MR];
   for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
+  // The next panel streams in beside this one's arithmetic, an equal share of its bytes per block: a
+  // prefetch of the whole next panel at once (the AVX-512 loop's) stalled this loop on AVX2 EPYCs.
+  const auto prefetch_share = [&](int64_t f) {
+    const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? pb : (f + 1) * share;
+    for (int64_t line = from; line < to; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+  };
+  if constexpr (MR <= 2) {
+    // Few rows leave registers for both halves at once, so a block's activation broadcasts serve 16
+    // rows and the panel streams in one pass. One row's product was bound by instructions, not by
+    // memory, on a 2-core AVX2 EPYC: this took Q4_K 9728 x 2560 from 0.73 to 0.55 ms
+    // (benchmarks/kernel_builds_ab.py).
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
+    for (int64_t f = 0; f < blocks; ++f) {
+      if (next != nullptr) prefetch_share(f);
+      half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, 0, acc[0]);
+      half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, 1, acc[1]);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MR; ++m) _mm256_storeu_ps(reinterpret_cast<float*>(&out[m]) + 8 * h, acc[h][m]);
+    return;
+  }
   for (int half = 0; half < 2; ++half) {
     __m256 acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t f = 0; f < blocks; ++f) {
-      const int64_t k0 = f * Flush;
-      if (next != nullptr && half == 0) {
-        // The next panel streams in beside this one's arithmetic, an equal share of its bytes per
-        // block: a prefetch of the whole next panel at once (the AVX-512 loop's) stalled this loop
-        // on AVX2 EPYCs.
-        const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? pb : (f + 1) * share;
-        for (int64_t line = from; line < to; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-      }
-      constexpr int kGroup = kInt16Group<Bits, E2M1>;
-      __m256i iacc[MR];
-      for (int g = 0; g < Flush / 4 / kGroup; ++g) {
-        __m256i sums16[MR];
-        for (int c = g * kGroup / 2; c < (g + 1) * kGroup / 2; ++c) {
-          __m256i lo, hi;
-          half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
-          for (int m = 0; m < MR; ++m) {
-            const __m256i pairs = pair_sums(lo, hi, xrow[m] + k0 + 8 * c);
-            sums16[m] = c == g * kGroup / 2 ? pairs : _mm256_add_epi16(sums16[m], pairs);
-          }
-        }
-        for (int m = 0; m < MR; ++m) {
-          const __m256i sums32 = _mm256_madd_epi16(sums16[m], _mm256_set1_epi16(1));
-          iacc[m] = g == 0 ? sums32 : _mm256_add_epi32(iacc[m], sums32);
-        }
-      }
-      __m256 sc, mn;
-      if constexpr (Sub == SubScales::kNone) {
-        sc = half8(ps.scales + f * kPanel + 8 * half);
-        mn = t.has_mins ? half8(ps.mins + f * kPanel + 8 * half) : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
-      } else {
-        // S = d * sc and O = -dmin * m, exact in float (an fp16 times a 6-bit integer): block_scale's.
-        const int64_t b = k0 / kSuper;
-        const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub + f * kPanel + 8 * half));
-        const __m256i sub32 = Sub == SubScales::kSigned ? _mm256_cvtepi8_epi32(sub) : _mm256_cvtepu8_epi32(sub);
-        sc = _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), half8(ps.scales + b * kPanel + 8 * half));
-        if constexpr (Sub == SubScales::kUnsignedWithMins) {
-          const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub_mins + f * kPanel + 8 * half));
-          mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), half8(ps.mins + b * kPanel + 8 * half));
-        } else {
-          mn = _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
-        }
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m256 dx = _mm256_set1_ps(a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock]);
-        const __m256 sx = _mm256_set1_ps(a.sums[(m0 + m) * a.sums_per_row + f]);
-        acc[m] = _mm256_fmadd_ps(mn, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), _mm256_mul_ps(sc, dx), acc[m]));
-      }
+      if (next != nullptr && half == 0) prefetch_share(f);
+      half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, half, acc);
     }
     for (int m = 0; m < MR; ++m) _mm256_storeu_ps(reinterpret_cast<float*>(&out[m]) + 8 * half, acc[m]);
   }
