@@ -35,6 +35,8 @@ SHAPES = {
                      ("down", 2048, 8192, "Q4_0"), ("up Q4_K", 8192, 2048, "Q4_K"), ("head", 128256, 2048, "Q6_K")],
     # Qwen3-4B Q4_K_M: gate / up in Q4_K, down in Q6_K (every other layer), q in Q4_K.
     "qwen3-4b": [("up", 9728, 2560, "Q4_K"), ("down", 2560, 9728, "Q6_K"), ("q", 4096, 2560, "Q4_K")],
+    # Qwen3-4B Q8_0: every projection in Q8_0.
+    "qwen3-4b-q8_0": [("up", 9728, 2560, "Q8_0"), ("down", 2560, 9728, "Q8_0"), ("q", 4096, 2560, "Q8_0")],
 }
 
 

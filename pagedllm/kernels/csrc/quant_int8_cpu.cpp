@@ -15,7 +15,7 @@
 //            the high 2 bits of the 4 [16 x 4] operands (bits 2s, 2s + 1 for operand s).
 //            5-bit (Q5_K, AVX2 builds): per 32 inputs, four nibble chunks as 4-bit, then a chunk whose
 //            byte 4r + j holds the high bits of the 8 [16 x 4] operands (bit s for operand s).
-//            8-bit: one chunk per 4 inputs, a byte per quant.
+//            8-bit: one chunk per 4 inputs, a byte per quant (AVX2 builds: the signed quant, see below).
 //   scales:  per block of `flush` inputs (32; 16 for Q6_K), 16 fp16 scales S (one per row);
 //   mins:    per block, 16 fp16 offsets O when the format has them (Q4_1, Q4_K, Q5_K, int4 groups);
 //            otherwise O = c * S with the format's constant c (Q4_0: -8, Q6_K: -32, 8-bit: -128).
@@ -26,6 +26,10 @@
 // Q6_K 6.5625 (7; the file's 6.5625), Q5_K 5.625 (9 as bytes; the file's 5.5): decode streams the
 // weights once per token, so its time follows these bytes. The AVX-512 kernel and the AMX decoder
 // read fp16 block scales, so VNNI builds keep them.
+// Signed 8-bit quants (Q8_0 and int8 rows, AVX2 builds): pmaddubsw takes one unsigned operand, and the
+// unsigned quant q + 128 times an int8 activation would overflow its int16 pair sums, so the tiling
+// keeps the file's int8 quant w (value = S * w, no offset) and the kernel multiplies |w| by the
+// activation carrying w's sign: each pair sum stays within 2 x 128 x 127.
 // A weight is S * q + O with q the unsigned quant, so a block's contribution to y[m, n] is
 //   dx * S * sum(q * xq) + O * dx * sum(xq)
 // with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
@@ -74,6 +78,7 @@ struct Tiling {
   bool e2m1;       // nibbles are e2m1 codes, mapped to quants by a table (MXFP4)
   bool sub_scales = false;  // integer scales per block under an fp16 per kSuper inputs (else fp16 per block)
   bool signed_sub = false;  // sub-scales are int8 (Q6_K), else uint8
+  bool signed_quants = false;  // 8-bit quants stored as int8, value = S * q (AVX2 builds)
 };
 
 // A tiling's scale form, fixed per kernel instance so that its loop carries no branch on it: fp16 per
@@ -88,12 +93,13 @@ Tiling tiling_of(int64_t format) {
     case F_Q4_K: return {4, 32, true, 0.f, false, true};
     case F_Q5_K: return {5, 32, true, 0.f, false, true};
     case F_Q6_K: return {6, 16, false, -32.f, false, true, true};
+    case F_Q8_0: case F_I8_ROW: return {8, 32, false, 0.f, false, false, false, true};
 #else
     case F_Q4_K: return {4, 32, true, 0.f, false};
     case F_Q5_K: return {8, 32, true, 0.f, false};
     case F_Q6_K: return {6, 16, false, -32.f, false};
-#endif
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f, false};
+#endif
     case F_MXFP4: return {4, 32, false, -12.f, true};
   }
   TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
@@ -326,7 +332,9 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
     const uint8_t* qr = q.data();
     uint8_t* dst = out + 4 * r;
     if (t.bits == 8) {
-      for (int64_t i = 0; i < k; i += 4, dst += 64) std::memcpy(dst, qr + i, 4);
+      const uint8_t flip = t.signed_quants ? 0x80 : 0;  // q + 128 back to the int8 quant's bits
+      for (int64_t i = 0; i < k; i += 4, dst += 64)
+        for (int j = 0; j < 4; ++j) dst[j] = static_cast<uint8_t>(qr[i + j] ^ flip);
     } else if (t.bits == 4) {
       for (int64_t i = 0; i < k; i += 8, dst += 64)
         for (int j = 0; j < 4; ++j) dst[j] = static_cast<uint8_t>(qr[i + j] | (qr[i + 4 + j] << 4));
@@ -568,8 +576,6 @@ inline void half_operands(const uint8_t* quants, int64_t f, int c, int half, __m
     lo = _mm256_or_si256(_mm256_and_si256(n, low), high_bit(h, 2 * c));
     hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n, 4), low), high_bit(h, 2 * c + 1));
   } else if constexpr (Bits == 8) {
-    // Without VNNI no format is tiled as bytes (int8_tiling_supported); int8_linear's dispatch still
-    // instantiates this.
     const uint8_t* g = quants + (f * 8 + 2 * c) * 64 + 32 * half;
     lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
     hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64));
@@ -610,6 +616,28 @@ __attribute__((always_inline)) inline void half_block_step(const Tiling& t, cons
   const int64_t k = a.k, k0 = f * Flush;
   constexpr int kGroup = kInt16Group<Bits, E2M1>;
   __m256i iacc[MR];
+  if constexpr (Bits == 8) {
+    // Signed quants: |w| times x with w's sign, each pmaddubsw widened at once (its pair sums reach 2^15).
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < Flush / 8; ++c) {
+      __m256i lo, hi;
+      half_operands<Bits, E2M1>(panel, f, c, half, lo, hi);
+      const __m256i abs_lo = _mm256_sign_epi8(lo, lo), abs_hi = _mm256_sign_epi8(hi, hi);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = xrow[m] + k0 + 8 * c;
+        const __m256i p_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(_mm256_set1_epi32(x4_at(x)), lo));
+        const __m256i p_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(_mm256_set1_epi32(x4_at(x + 4)), hi));
+        const __m256i sums32 = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+        iacc[m] = c == 0 ? sums32 : _mm256_add_epi32(iacc[m], sums32);
+      }
+    }
+    const __m256 sc = half8(ps.scales + f * kPanel + 8 * half);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dx = _mm256_set1_ps(a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), _mm256_mul_ps(sc, dx), acc[m]);
+    }
+    return;
+  }
   for (int g = 0; g < Flush / 4 / kGroup; ++g) {
     __m256i sums16[MR];
     for (int c = g * kGroup / 2; c < (g + 1) * kGroup / 2; ++c) {
@@ -898,13 +926,12 @@ std::string int8_dot_isa() {
 #endif
 }
 
-// Whether `format` can be tiled on this build: 8-bit quants up to 255 would overflow the AVX2 kernel's
-// int16 pair sums (kInt16Group), so Q8_0 and int8 rows need a VNNI dot product or the portable loop.
+// Whether `format` can be tiled on this build.
 bool int8_tiling_supported(int64_t format) {
   switch (format) {
     case F_Q4_0: case F_Q4_1: case F_I4_G64: case F_I4_G128: case F_Q4_K: case F_Q5_K: case F_Q6_K: case F_MXFP4:
+    case F_Q8_0: case F_I8_ROW:
       return true;
-    case F_Q8_0: case F_I8_ROW: return int8_dot_isa() != "avx2";
   }
   return false;
 }
@@ -978,7 +1005,8 @@ at::Tensor int8_tiled_rows(at::Tensor tiled, int64_t format, int64_t n_rows, int
         int64_t byte = 0, high_byte = 0;
         int shift = 0, high_shift = 0;
         quant_position(t, r, i, &byte, &shift, &high_byte, &high_shift);
-        int q = t.bits == 8 ? panel[byte] : (panel[byte] >> shift) & 0xF;
+        int q = t.bits == 8 ? (t.signed_quants ? static_cast<int8_t>(panel[byte]) : panel[byte])
+                            : (panel[byte] >> shift) & 0xF;
         if (t.e2m1) q = kE2M1Quants[q];
         if (t.bits == 6) q |= ((panel[high_byte] >> high_shift) & 3) << 4;
         if (t.bits == 5) q |= ((panel[high_byte] >> high_shift) & 1) << 4;
