@@ -37,6 +37,9 @@ SHAPES = {
     "qwen3-4b": [("up", 9728, 2560, "Q4_K"), ("down", 2560, 9728, "Q6_K"), ("q", 4096, 2560, "Q4_K")],
     # Qwen3-4B Q8_0: every projection in Q8_0.
     "qwen3-4b-q8_0": [("up", 9728, 2560, "Q8_0"), ("down", 2560, 9728, "Q8_0"), ("q", 4096, 2560, "Q8_0")],
+    # gpt-oss-20b as make_gguf_models.py writes it: one expert's gate/up and down in MXFP4, attention in Q8_0.
+    "gpt-oss-20b": [("exp g/u", 5760, 2880, "MXFP4"), ("exp down", 2880, 2880, "MXFP4"), ("qkv", 5120, 2880, "Q8_0"),
+                    ("o", 2880, 4096, "Q8_0")],
 }
 
 
