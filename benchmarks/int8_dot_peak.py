@@ -4,9 +4,9 @@ The int8 linear kernel (kernels/csrc/quant_int8_cpu.cpp) spends its multiplies i
 products, summed in pairs into int16). Once many activation rows share each weight (prompts, 16
 streams' decode) the kernel is bound by that instruction, not by memory, so its issue rate bounds
 prompt processing and batched decode. This compiles a loop of independent pmaddubsw (12 accumulators,
-nothing else in the loop, nothing spilled) with the system's gcc and runs it in one process, then in one process per
-core at once; it prints integer GOPS (2 operations per byte product) for each. The engine's figures
-(benchmarks/packed_gemm.py, model_zoo.py) divide by this to say how near the ceiling they run.
+nothing else in the loop, nothing spilled) with the system's gcc and runs it in one process, then in
+one process per core at once; it prints integer GOPS (2 operations per byte product) for each, the
+figure to set beside the GOPS that benchmarks/packed_gemm.py prints for the kernel.
 
     .venv/bin/python benchmarks/int8_dot_peak.py [--processes 2] [--iterations 200000000]
 """
