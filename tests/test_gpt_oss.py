@@ -113,9 +113,10 @@ def test_settings_reach_the_layers(gpt_oss_dir: str) -> None:
         expert = moe.experts[0]
         assert isinstance(expert.act_and_mul, ClampedSwiGLU) and expert.act_and_mul.limit == SWIGLU_LIMIT
         assert expert.gate_up_proj.bias is not None and expert.down_proj.bias is not None
-        # The C++ layer loop takes the sinks; the mixture of experts is what keeps these layers out of it.
+        # The C++ layer loop takes the sinks and the experts (float32 attention weights may still
+        # keep these layers out of it where no panel kernel multiplies them: test_layer_programs).
         gaps = layer_program(layer, list(model.model.rotary), torch.float32).gaps
-        assert len(gaps) == 1 and "mixture of experts" in gaps[0], gaps
+        assert not [gap for gap in gaps if "MLP" in gap or "expert" in gap or "router" in gap], gaps
         assert attn.attn.cpu_kernels_apply  # the C++ attention kernels take sinks
 
 
@@ -185,7 +186,8 @@ def test_logits_match_transformers(gpt_oss_dir: str, use_kernel: bool, invariant
         ref_prefill, ref_step = hf_prompt_and_step(hf_model, prompt, token)
         torch.testing.assert_close(prefill[i], ref_prefill, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(decode[i], ref_step, atol=1e-4, rtol=1e-4)
-    assert model.model._stack is None  # the Python layers ran
+    if not use_kernel:
+        assert model.model._stack is None  # the Python layers ran
 
 
 # Per sequence, the tokens it computes at each step: chunks after a cached context, decodes and

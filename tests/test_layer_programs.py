@@ -1,4 +1,5 @@
-"""Every dense decoder family runs through the C++ layer loop, bit for bit as its Python layers.
+"""Every dense decoder family, and every family of sparse experts, runs through the C++ layer loop,
+bit for bit as its Python layers.
 
 Each family's tiny random model (the configs the transformers-equality tests use: test_model_families,
 test_model_families_2026 and test_model_families_transformers) is built with weights the loop
@@ -21,6 +22,7 @@ from test_model_families_2026 import family_config as family_config_b
 from test_model_families_transformers import DENSE as DENSE_C
 from test_model_families_transformers import family_config as family_config_c
 from test_models import TINY
+from test_moe_families import moe_config
 
 from pagedllm.kernels import kernel_config, use_kernel_config
 from pagedllm.kernels.attention import prompt_attention_amx_supported
@@ -98,7 +100,7 @@ def test_every_dense_family_runs_in_the_layer_loop(name, dtype, weights, tmp_pat
 
 def test_every_dense_family_has_a_config_here() -> None:
     """A dense family cannot join families.FAMILIES without a config in DENSE, whose programs the test
-    above holds to no gaps (a mixture of experts has no loop kernel: those stay on the Python layers)."""
+    above holds to no gaps (families of experts: MOE below)."""
     covered = {DENSE[name]().model_type for name in DENSE}
     dense = {model_type for model_type, family in FAMILIES.items() if not family.moe}
     assert dense <= covered, f"add a config to DENSE for {sorted(dense - covered)}"
@@ -160,3 +162,62 @@ def test_dense_layers_with_sinks_run_in_the_layer_loop(name, dtype, invariant, t
     for step, (a, b, c) in enumerate(zip(with_stack, without, plain, strict=True)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
         assert not torch.equal(a, c), f"step {step}: the sinks changed nothing"
+
+
+def _gpt_oss_config():
+    from test_gpt_oss import gpt_oss_config
+
+    return gpt_oss_config(vocab_size=256)
+
+
+# The families of sparse experts (models/moe.py SparseMoE), each routing its own way: a softmax's top
+# k renormalized (Qwen3-MoE) or not (Mixtral, OLMoE), a shared expert behind a sigmoid gate
+# (Qwen2-MoE), a biased router's top k then a softmax, biased experts with a clamped SwiGLU and
+# windows that differ between layers (GPT-OSS), norms after each block (FlexOlmo).
+MOE = {
+    "mixtral": lambda: moe_config("mixtral", vocab_size=256),
+    "qwen3_moe": lambda: moe_config("qwen3_moe", vocab_size=256),
+    "qwen2_moe": lambda: moe_config("qwen2_moe", vocab_size=256),
+    "gpt_oss": _gpt_oss_config,
+    "olmoe": lambda: family_config_c("olmoe"),
+    "flex_olmo": lambda: family_config_c("flex_olmo"),
+}
+# Families of experts the loop does not run, with the gap that keeps them on the Python layers.
+MOE_GAPS = {"mellum": "layers of different sizes"}  # dense and sparse layers in one model
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(MOE))
+def test_every_moe_family_runs_in_the_layer_loop(name, dtype, invariant, tmp_path, monkeypatch) -> None:
+    """Router, routing, experts and a shared expert in the loop: no gaps, every decode step (and
+    every step where one window serves all layers) through it, and the logits equal the Python
+    layers' bit for bit, with and without batch invariance (routers through panels, or torch)."""
+    with use_kernel_config(batch_invariant=invariant):
+        model_config, model = _build_config(tmp_path, MOE[name](), dtype, "int8")
+        programs = model_programs(model.model)
+        assert not any(p.gaps for p in programs), gaps_summary(programs)
+        assert stack_report(model.model).startswith("C++ layer loop")
+        runs = _count_stack_runs(monkeypatch)
+        with_stack = _step_logits(model, model_config)
+        decodes = [i for i, step in enumerate(STEPS) if set(step) == {1}]
+        assert runs.count([DECODE_KERNEL]) >= len(decodes)
+        if invariant:
+            assert len(runs) == len(STEPS)
+        without = _without_stack(model, model_config)
+    for step, (a, b) in enumerate(zip(with_stack, without, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+def test_every_moe_family_is_covered() -> None:
+    """A family of experts cannot join families.FAMILIES without a config in MOE, or its gap named in
+    MOE_GAPS and shown by stack_report (the test below)."""
+    covered = {MOE[name]().model_type for name in MOE} | set(MOE_GAPS)
+    moe = {model_type for model_type, family in FAMILIES.items() if family.moe}
+    assert moe <= covered, f"add a config to MOE for {sorted(moe - covered)}"
+
+
+def test_a_family_of_experts_the_loop_cannot_run_names_its_gap(tmp_path) -> None:
+    _, model = _build_config(tmp_path, family_config_c("mellum"), "float32", "int8")
+    report = stack_report(model.model)
+    assert report.startswith("Python layers: ") and MOE_GAPS["mellum"] in report, report

@@ -123,15 +123,23 @@ def row_invariant_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     takes the dtype, through a panel copy of the weight made on first use: MKL's product of a row
     depends on the rows around it (a router row alone and among 3 others differed in the last bit,
     which moved the expert weights and so the whole token)."""
-    weight = layer.weight.to(x.dtype)  # a router computing in float32 over another dtype's weight
     bias = getattr(layer, "bias", None)
     bias = None if bias is None else bias.to(x.dtype)
-    if x.device.type == "cpu" and batch_invariant() and panels_supported(x.dtype):
-        panels = getattr(layer, "_row_invariant_panels", None)
-        if panels is None or panels.data.dtype != x.dtype:
-            panels = layer._row_invariant_panels = PanelWeight(weight)
+    panels = row_invariant_panels(layer, x.dtype, x.device)
+    if panels is not None:
         return panels.linear(x.contiguous(), bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, layer.weight.to(x.dtype), bias)  # a router computing in float32 over another dtype's
+
+
+def row_invariant_panels(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> PanelWeight | None:
+    """The panel copy ``row_invariant_linear`` multiplies ``layer`` through for activations of ``dtype``
+    (made on first use), or None where it takes F.linear."""
+    if device.type != "cpu" or not batch_invariant() or not panels_supported(dtype):
+        return None
+    panels = getattr(layer, "_row_invariant_panels", None)
+    if panels is None or panels.data.dtype != dtype:
+        panels = layer._row_invariant_panels = PanelWeight(layer.weight.to(dtype))
+    return panels
 
 
 def cpu_gemm_path(device: torch.device, dtype: torch.dtype) -> str | None:

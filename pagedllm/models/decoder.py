@@ -50,7 +50,7 @@ class DecoderModel(nn.Module):
         self.rope_needs_lengths = any(r.depends_on_length for r in self.rotary.values())
         # The C++ loop over the layers (models/layer_stack.py), built for the weights named by the key.
         self._stack: LayerStack | None = None
-        self._stack_key: int | None = -1
+        self._stack_key: tuple[int, bool] | int | None = -1
 
     def _layer_stack(self, hidden: torch.Tensor, kv_caches: list[KVCache] | None,
                      meta: AttentionMetadata | None) -> LayerStack | None:

@@ -4,7 +4,8 @@ for the C++ layer loop: its program.
 A program names the layer's wiring (norms before each block, Gemma's sandwich, OLMo 2's norms
 after each block, the parallel block), its norms and their tensors, its q/k norms, which rope
 table it rotates with, its attention (window, soft cap; the sinks and key offset models/layer_stack.py
-reads off the attention at each step), its MLP and activation, its residual multiplier and its
+reads off the attention at each step), its MLP and activation (or its mixture of experts: their
+number, the experts per token, the routing, a shared expert), its residual multiplier and its
 linear layers as row segments with their kernels. The C++ layer loop
 (kernels/csrc/layer_stack_cpu.cpp) runs programs; ``gaps`` lists the ops of a program the loop
 has no kernel for, so whether a model runs there is computed, never kept by hand, and the engine
@@ -25,19 +26,23 @@ from pagedllm.kernels.codes import (
     GEMMA_RMS,
     INT8_TILED,
     LAYER_NORM,
+    MOE,
     NO_QK_NORM,
     PANEL,
     PLAIN_ACTIVATION_CODES,
     PLAIN_MLP,
     QUANT_BLOCKS,
     RMS,
+    SOFTMAX_TOPK,
+    SOFTMAX_TOPK_NORMALIZED,
+    TOPK_SOFTMAX,
 )
-from pagedllm.layers.cpu_gemm import GatedPanelWeight, PanelWeight
+from pagedllm.layers.cpu_gemm import GatedPanelWeight, PanelWeight, row_invariant_panels
 from pagedllm.layers.fused_ops import ACT_AND_MUL_KERNELS
 from pagedllm.layers.norms_and_activations import GemmaRMSNorm, HeadLayerNorm, LayerNorm, RMSNorm
 from pagedllm.models.decoder_layer import DecoderLayer, PlainMLP
 from pagedllm.models.layer_ops import LayerOps
-from pagedllm.models.moe import GatedMLP
+from pagedllm.models.moe import ClampedSwiGLU, GatedMLP, SparseMoE
 from pagedllm.quantization.int8_tiles import Int8TiledTensor
 from pagedllm.quantization.kernels import cpu_kernels_serve
 from pagedllm.quantization.packed import PackedTensor, QuantizedWeight
@@ -115,16 +120,43 @@ def _segments(linear, gated: bool = False) -> list[Segment] | None:
     return segments
 
 
-def _linears(ops: LayerOps, gaps: list[str]) -> list[list[Segment]]:
+def _router_segments(router: torch.nn.Linear, dtype: torch.dtype) -> list[Segment]:
+    """A float layer kept out of packing (a MoE router, a shared expert's gate) as ``row_invariant_linear``
+    multiplies it: through its panel copy under batch invariance where the panel kernel takes the dtype,
+    else torch's linear over the weight in the model's dtype."""
+    bias = _EMPTY if router.bias is None else router.bias.detach().to(dtype)
+    panels = row_invariant_panels(router, dtype, router.weight.device)
+    if panels is not None:
+        return [(PANEL, 0, panels.out_features, panels.data, bias)]
+    return [(FLOAT_ROWS, 0, router.out_features, router.weight.detach().to(dtype), bias)]
+
+
+def _expert_linears(mlp: SparseMoE, dtype: torch.dtype) -> list[tuple[str, object, bool]]:
+    """A mixture's linear layers after qkv and o, in run_layer_stack's order (its ``Moe``)."""
+    named: list[tuple[str, object, bool]] = [("router", mlp.gate, False)]
+    if mlp.shared_expert is not None:
+        named += [("shared gate", mlp.shared_expert_gate, False),
+                  ("shared gate_up", mlp.shared_expert.gate_up_proj, True),
+                  ("shared down", mlp.shared_expert.down_proj, False)]
+    for e, expert in enumerate(mlp.experts):
+        named += [(f"expert {e} gate_up", expert.gate_up_proj, True), (f"expert {e} down", expert.down_proj, False)]
+    return named
+
+
+def _linears(ops: LayerOps, dtype: torch.dtype, gaps: list[str]) -> list[list[Segment]]:
     attn, mlp = ops.attention, ops.mlp
+    named: list[tuple[str, object, bool]] = [("qkv", attn.qkv_proj, False), ("o", attn.o_proj, False)]
     if isinstance(mlp, GatedMLP):
-        named = [("qkv", attn.qkv_proj, False), ("o", attn.o_proj, False), ("gate_up", mlp.gate_up_proj, True),
-                 ("down", mlp.down_proj, False)]
+        named += [("gate_up", mlp.gate_up_proj, True), ("down", mlp.down_proj, False)]
+    elif isinstance(mlp, SparseMoE):
+        named += _expert_linears(mlp, dtype)
     else:
-        named = [("qkv", attn.qkv_proj, False), ("o", attn.o_proj, False), ("fc", mlp.c_fc, False),
-                 ("proj", mlp.c_proj, False)]
+        named += [("fc", mlp.c_fc, False), ("proj", mlp.c_proj, False)]
     linears = []
     for name, linear, gated in named:
+        if type(linear) is torch.nn.Linear:  # a router or a shared expert's gate
+            linears.append(_router_segments(linear, dtype))
+            continue
         if getattr(linear, "tp_size", 1) != 1:
             gaps.append(f"{name}: a tensor-parallel shard (the loop runs whole layers)")
         segments = _segments(linear, gated)
@@ -133,6 +165,16 @@ def _linears(ops: LayerOps, gaps: list[str]) -> list[list[Segment]]:
             segments = []
         linears.append(segments)
     return linears
+
+
+def _gated_activation(mlp: GatedMLP, gaps: list[str]) -> int:
+    """The activation code of a gated MLP (or expert), its gap added where the loop has no kernel for it."""
+    name = mlp.act_and_mul.activation
+    kernel = name if name in ACTIVATION_CODES else ACT_AND_MUL_KERNELS.get(name)
+    if kernel is None:
+        gaps.append(f"MLP: act_and_mul of {name!r}")
+        return 0
+    return ACTIVATION_CODES[kernel]
 
 
 def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> LayerProgram:
@@ -149,13 +191,26 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
     paged = attn.attn
     if not paged.use_cpu_kernel:
         gaps.append("attention: the C++ kernels switched off for this layer")
+    # A mixture of experts: its number of experts, experts per token, routing and shared expert's size.
+    experts = [0, 0, 0, 0]
+    swiglu = [0.0, 0.0]  # a clamped SwiGLU's limit and alpha
     if isinstance(mlp, GatedMLP):
         mlp_code = GATED_MLP
-        kernel = ACT_AND_MUL_KERNELS.get(mlp.act_and_mul.activation)
-        if kernel is None:
-            gaps.append(f"MLP: act_and_mul of {mlp.act_and_mul.activation!r}")
-        activation = ACTIVATION_CODES[kernel] if kernel else 0
+        activation = _gated_activation(mlp, gaps)
         intermediate = mlp.down_proj.in_features
+    elif isinstance(mlp, SparseMoE):
+        mlp_code = MOE
+        expert = mlp.experts[0]
+        activation = _gated_activation(expert, gaps)
+        if mlp.shared_expert is not None and _gated_activation(mlp.shared_expert, gaps) != activation:
+            gaps.append("MLP: a shared expert whose activation differs from the experts'")
+        intermediate = expert.down_proj.in_features
+        routing = TOPK_SOFTMAX if mlp.routing == "topk_softmax" else (
+            SOFTMAX_TOPK_NORMALIZED if mlp.normalize else SOFTMAX_TOPK)
+        shared = mlp.shared_expert.down_proj.in_features if mlp.shared_expert is not None else 0
+        experts = [len(mlp.experts), mlp.top_k, routing, shared]
+        if isinstance(expert.act_and_mul, ClampedSwiGLU):
+            swiglu = [float(expert.act_and_mul.limit), float(expert.act_and_mul.alpha)]
     elif type(mlp) is PlainMLP:
         mlp_code = PLAIN_MLP
         name = getattr(mlp, "activation", None)
@@ -164,7 +219,7 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
         activation = PLAIN_ACTIVATION_CODES.get(name, 0)
         intermediate = mlp.c_proj.in_features
     else:
-        gaps.append(f"MLP: a {type(mlp).__name__} (a mixture of experts has no loop kernel)")
+        gaps.append(f"MLP: a {type(mlp).__name__}")
         return program
     norms = [ops.input_norm, ops.post_attention_norm, ops.pre_feedforward_norm, ops.post_feedforward_norm]
     kinds, epsilons = set(), set()
@@ -193,9 +248,9 @@ def layer_program(layer: DecoderLayer, rope_keys: list, dtype: torch.dtype) -> L
         gaps.append(f"norms with different eps {sorted(epsilons)}")
     rope = rope_keys.index(attn.rope_key) if attn.rotates else -1
     program.codes = [ops.wiring, kinds.pop() if kinds else RMS, qk_norm, qk_kind, rope, mlp_code, activation,
-                     paged.sliding_window or 0]
-    program.scalars = [float(ops.residual_scale or 0.0), float(paged.logits_soft_cap or 0.0)]
-    program.linears = _linears(ops, gaps)
+                     paged.sliding_window or 0, *experts]
+    program.scalars = [float(ops.residual_scale or 0.0), float(paged.logits_soft_cap or 0.0), *swiglu]
+    program.linears = _linears(ops, dtype, gaps)
     program.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, paged.scale, intermediate,
                      epsilons.pop() if len(epsilons) == 1 else None)
     return program

@@ -8,10 +8,11 @@ step, and as much of a short prompt's step. The C++ loop calls the same kernels 
 arguments in the same order, so its outputs equal the Python layers' bit for bit. Attention follows
 the step's plan (``PagedAttention.cpu_plan``); steps whose plan gives a sequence to torch's SDPA
 (float32 prompts), or splits the batch into scattered rows, stay on the Python layers. A model
-whose programs have gaps (``layer_program.gaps``: ops with no loop kernel, such as mixtures of
+whose programs have gaps (``layer_program.gaps``: ops with no loop kernel, such as DeepSeek's
 experts, tensor-parallel shards or weights multiplied by torch or oneDNN) stays on the Python layers
 for every step, and ``stack_report`` says why. Attention sinks (GPT-OSS) go to the attention kernels
-with each layer's tensors. Weights may be our
+with each layer's tensors; sparse mixtures of experts (GPT-OSS, Mixtral, Qwen-MoE) run in the loop,
+their routers as ``row_invariant_linear`` multiplies them. Weights may be our
 float panels or quantized rows (int8 tiles, packed blocks, float segments, mixed within a layer as
 GGUF files mix them). ``PAGEDLLM_LAYER_STACK=0`` turns it off.
 """
@@ -162,11 +163,12 @@ def build_layer_stack(model: DecoderModel) -> LayerStack | None:
     return LayerStack(model, cpu_kernels(), programs)
 
 
-def weights_key(model: DecoderModel) -> int | None:
-    """Names the weights a LayerStack was built over: a new key after repacking or retiling."""
+def weights_key(model: DecoderModel) -> tuple[int, bool] | None:
+    """Names the weights a LayerStack was built over: a new key after repacking or retiling, or when
+    batch invariance is switched (routers are multiplied through panels under it, by torch without)."""
     if not model.layers:
         return None
     qkv = model.layers[0].self_attn.qkv_proj
     if qkv.packed_weight is not None or not isinstance(qkv.weight, QuantizedWeight):
-        return id(qkv.packed_weight)
-    return id(qkv.weight.segments[0].weight)
+        return id(qkv.packed_weight), batch_invariant()
+    return id(qkv.weight.segments[0].weight), batch_invariant()

@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     codes["GELU"] = int64_t(kGelu);
     codes["GELU_TANH"] = int64_t(kGeluTanh);
     codes["RELU"] = int64_t(kRelu);
+    codes["CLAMPED_SWIGLU"] = int64_t(kClampedSwiglu);
     codes["PRE_NORM"] = int64_t(kPreNorm);
     codes["SANDWICH"] = int64_t(kSandwich);
     codes["POST_NORM"] = int64_t(kPostNorm);
@@ -47,6 +48,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     codes["QK_HEADS"] = int64_t(kQkHeads);
     codes["GATED_MLP"] = int64_t(kGatedMlp);
     codes["PLAIN_MLP"] = int64_t(kPlainMlp);
+    codes["MOE"] = int64_t(kMoe);
+    codes["TOPK_SOFTMAX"] = int64_t(kTopkSoftmax);
+    codes["SOFTMAX_TOPK"] = int64_t(kSoftmaxTopk);
+    codes["SOFTMAX_TOPK_NORMALIZED"] = int64_t(kSoftmaxTopkNormalized);
     m.attr("CODES") = codes;
   }
   m.def("kernel_branches", &kernel_branches,

@@ -19,8 +19,8 @@ enum AttentionKernel : int64_t { kDecode = 0, kChunked = 1, kAmx = 2 };
 // tiles (int8_linear), packed quantized blocks (quant_linear), or float rows (torch's linear).
 enum LinearKind : int64_t { kPanel = 0, kGatedPanel = 1, kInt8Tiled = 2, kQuantBlocks = 3, kFloatRows = 4 };
 // The activation of the MLP: act(gate) * up after an ungated gate/up product, or act(x) in a plain
-// MLP (relu: plain MLPs only).
-enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3 };
+// MLP (relu: plain MLPs only); GPT-OSS's clamped SwiGLU (experts only).
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kClampedSwiglu = 4 };
 // How a layer's blocks are wired (models/decoder_layer.py's DecoderLayer.forward): norms before
 // each block (Llama), Gemma's sandwich, OLMo 2's norms after each block, GPT-NeoX's parallel
 // attention and MLP with two input norms or (Phi, Cohere) one.
@@ -30,7 +30,11 @@ enum NormKind : int64_t { kRms = 0, kGemmaRms = 1, kLayerNorm = 2 };
 // The q/k norms: none; one norm over each head; one over the whole projection (OLMo 2); a
 // bias-free LayerNorm per head with a weight per head (StableLM, Cohere).
 enum QkNorm : int64_t { kNoQkNorm = 0, kQkHead = 1, kQkProjection = 2, kQkHeads = 3 };
-enum Mlp : int64_t { kGatedMlp = 0, kPlainMlp = 1 };
+// The feed-forward block: a gated MLP, a plain one, or a sparse mixture of gated experts.
+enum Mlp : int64_t { kGatedMlp = 0, kPlainMlp = 1, kMoe = 2 };
+// How a mixture of experts weighs its chosen experts (models/moe.py SparseMoE): a softmax over the
+// top k logits (GPT-OSS); the top k of a softmax over all, as they are or renormalized to sum to one.
+enum Routing : int64_t { kTopkSoftmax = 0, kSoftmaxTopk = 1, kSoftmaxTopkNormalized = 2 };
 }  // namespace stack_codes
 
 // The attention kernels' `sinks`: float32 [Hq] sink logits (GPT-OSS), or an empty tensor for none.

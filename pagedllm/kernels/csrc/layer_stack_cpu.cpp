@@ -8,8 +8,10 @@
 // no kernel here; tests compare the two paths).
 //
 // Per layer, kLayerCodes codes in `layer_codes`: block wiring, norm kind, q/k norm, q/k norm kind,
-// rope table (-1: no rope), MLP kind, activation, sliding window (0: none); kLayerScalars in
-// `layer_scalars`: the residual multiplier (0: none) and the attention soft cap (0: none);
+// rope table (-1: no rope), MLP kind, activation, sliding window (0: none), then for a mixture of
+// experts its number of experts, the experts per token, the routing and the shared expert's
+// intermediate size (0: none; all four 0 for an MLP); kLayerScalars in `layer_scalars`: the residual
+// multiplier (0: none), the attention soft cap (0: none) and a clamped SwiGLU's limit and alpha;
 // kLayerTensors tensors in `layer_tensors`: the weight and bias of the input, post-attention,
 // pre-feedforward and post-feedforward norms, of the q norm and of the k norm (an empty tensor: not
 // there), then k_cache, v_cache, the key offset a quantized cache subtracts (empty: none) and the
@@ -19,7 +21,10 @@
 // segment (kind, format, rows); each segment takes 2 tensors of `linear_tensors`, its weight and its
 // bias (an empty tensor: no bias). A layer's output is its segments' outputs side by side. A gate/up
 // layer that is one gated panel segment applies act(gate) * up in its epilogue; otherwise the
-// activation runs after it. `ropes` holds (cos, sin) per rope table.
+// activation runs after it. A mixture of experts has, after qkv and o, its router, then (when it has
+// one) the shared expert's gate, gate/up and down, then each expert's gate/up and down: the experts
+// run here as SparseMoE.forward runs them, each chosen expert once over all its tokens of the step,
+// so that a decode step's experts cost no Python call. `ropes` holds (cos, sin) per rope table.
 // Attention follows the step's plan (PagedAttention.cpu_plan), the same for every layer: parts of
 // the batch, each rows [begin, end) through one kernel (0 decode, 1 chunked, 2 AMX prompt) with its
 // own block_tables, query_start_loc and context_lens (3 tensors per part in `part_tensors`).
@@ -32,10 +37,9 @@
 
 namespace {
 
-constexpr int64_t kLayerCodes = 8;
-constexpr int64_t kLayerScalars = 2;
+constexpr int64_t kLayerCodes = 12;
+constexpr int64_t kLayerScalars = 4;
 constexpr int64_t kLayerTensors = 16;
-constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kPartTensors = 3;
 using namespace stack_codes;
 
@@ -90,10 +94,26 @@ at::Tensor project(const Linear& linear, const at::Tensor& x, const RowThreshold
   return at::cat(outputs, -1);
 }
 
-at::Tensor activate_and_mul(int64_t activation, const at::Tensor& gate_up) {
-  switch (activation) {
+// GPT-OSS's expert activation over [T, 2I] (gate, then up), as ClampedSwiGLU.forward computes it:
+// the gate clamped from above, the up projection on both sides, (up + 1) * gate * sigmoid(alpha * gate).
+at::Tensor clamped_swiglu(const at::Tensor& x, double limit, double alpha) {
+  const int64_t half = x.size(-1) / 2;
+  auto gate = at::clamp(x.narrow(-1, 0, half), c10::nullopt, limit);
+  auto up = at::clamp(x.narrow(-1, half, half), -limit, limit);
+  return at::add(up, 1) * (gate * at::sigmoid(at::mul(gate, alpha)));
+}
+
+// The activation of a gated MLP and its clamped SwiGLU's limit and alpha.
+struct GatedActivation {
+  int64_t code;
+  double limit, alpha;
+};
+
+at::Tensor activate_and_mul(const GatedActivation& act, const at::Tensor& gate_up) {
+  switch (act.code) {
     case kGelu: return gelu_and_mul(gate_up);
     case kGeluTanh: return gelu_tanh_and_mul(gate_up);
+    case kClampedSwiglu: return clamped_swiglu(gate_up, act.limit, act.alpha);
     default: return silu_and_mul(gate_up);
   }
 }
@@ -138,13 +158,75 @@ at::Tensor head_layer_norm(const at::Tensor& x, const at::Tensor& weight, double
   return out.to(x.scalar_type());
 }
 
-// The 4 * num_layers linear layers of `specs` / `tensors`, checked against the shapes they must have.
+// down(act(gate(x)) * up(x)) (GatedMLP.forward), the activation in a gated panel's epilogue where
+// the gate/up weight is one.
+at::Tensor gated_mlp(const Linear& gate_up, const Linear& down, const at::Tensor& x, const GatedActivation& act,
+                     const RowThresholds& rows) {
+  auto h = project(gate_up, x, rows);
+  if (!gate_up.gated()) h = activate_and_mul(act, h);
+  return project(down, h, rows);
+}
+
+// A layer's mixture of experts: its sizes and routing (codes 8-11 of the layer).
+struct Moe {
+  int64_t experts, top_k, routing, shared_size;
+  // Its linear layers after qkv and o: the router, the shared expert's gate, gate/up and down, then
+  // each expert's gate/up and down.
+  int64_t first_expert() const { return shared_size > 0 ? 6 : 3; }
+  int64_t linears() const { return first_expert() + 2 * experts; }
+};
+
+// SparseMoE.forward over x [T, H] (`linear`: the layer's linear layers from qkv on): the router's
+// choices, then each chosen expert once over all its tokens of the step, in expert order and each
+// expert's tokens in order, its outputs weighted and added into the tokens' rows; then the shared
+// expert scaled by the sigmoid of its gate. The same tensor operations in the same order as the
+// Python module, so the same bits.
+at::Tensor mixture_of_experts(const Linear* linear, const Moe& moe, const at::Tensor& x, const GatedActivation& act,
+                              const RowThresholds& rows) {
+  auto logits = project(linear[2], x, rows).to(at::kFloat);
+  at::Tensor weights, chosen;
+  if (moe.routing == kTopkSoftmax) {
+    auto top = at::topk(logits, moe.top_k, -1);
+    weights = at::softmax(std::get<0>(top), -1);
+    chosen = std::get<1>(top);
+  } else {
+    auto top = at::topk(at::softmax(logits, -1), moe.top_k, -1);
+    weights = std::get<0>(top);
+    chosen = std::get<1>(top);
+    if (moe.routing == kSoftmaxTopkNormalized) weights.div_(weights.sum(-1, true));
+  }
+  chosen = chosen.contiguous();
+  weights = weights.contiguous();
+  const int64_t* expert_of = chosen.data_ptr<int64_t>();
+  const float* weight_of = weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> tokens(moe.experts);
+  std::vector<std::vector<float>> token_weights(moe.experts);
+  for (int64_t i = 0; i < chosen.numel(); ++i) {
+    tokens[expert_of[i]].push_back(i / moe.top_k);
+    token_weights[expert_of[i]].push_back(weight_of[i]);
+  }
+  auto out = at::zeros_like(x);
+  const Linear* experts = linear + moe.first_expert();
+  for (int64_t e = 0; e < moe.experts; ++e) {
+    const int64_t count = static_cast<int64_t>(tokens[e].size());
+    if (count == 0) continue;
+    auto index = at::from_blob(tokens[e].data(), {count}, at::kLong);
+    auto scale = at::from_blob(token_weights[e].data(), {count, 1}, at::kFloat);
+    auto y = gated_mlp(experts[2 * e], experts[2 * e + 1], x.index_select(0, index), act, rows) * scale;
+    out.index_add_(0, index, y.to(out.scalar_type()));
+  }
+  if (moe.shared_size > 0) {
+    out.add_(at::sigmoid(project(linear[3], x, rows)) * gated_mlp(linear[4], linear[5], x, act, rows));
+  }
+  return out;
+}
+
+// The linear layers of `specs` / `tensors`, checked against the shapes they must have.
 std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::vector<at::Tensor>& tensors,
-                                 int64_t num_layers, const std::vector<int64_t>& in_features,
-                                 const std::vector<int64_t>& out_features) {
+                                 const std::vector<int64_t>& in_features, const std::vector<int64_t>& out_features) {
   std::vector<Linear> linears;
   size_t at = 0, tensor_at = 0;
-  for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
+  for (size_t i = 0; i < in_features.size(); ++i) {
     TORCH_CHECK(at < specs.size(), "linear_specs ends before linear layer ", i);
     const int64_t count = specs[at++];
     TORCH_CHECK(count >= 1 && at + 3 * count <= specs.size() && tensor_at + 2 * count <= tensors.size(),
@@ -164,7 +246,7 @@ std::vector<Linear> read_linears(const std::vector<int64_t>& specs, const std::v
     linears.push_back(std::move(linear));
   }
   TORCH_CHECK(at == specs.size() && tensor_at == tensors.size(), "linear_specs / linear_tensors longer than ",
-              num_layers, " layers");
+              in_features.size(), " linear layers");
   return linears;
 }
 
@@ -205,18 +287,39 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  std::vector<int64_t> in_features, out_features;
+  std::vector<int64_t> in_features, out_features, first_linear;
   for (int64_t i = 0; i < num_layers; ++i) {
     const int64_t* c = layer_codes.data() + i * kLayerCodes;
     TORCH_CHECK(c[0] >= kPreNorm && c[0] <= kParallelShared, "layer ", i, ": unknown block wiring ", c[0]);
     TORCH_CHECK(c[2] >= kNoQkNorm && c[2] <= kQkHeads, "layer ", i, ": unknown q/k norm ", c[2]);
     TORCH_CHECK(c[4] >= -1 && c[4] < num_ropes, "layer ", i, ": rope table ", c[4], " of ", num_ropes);
-    TORCH_CHECK(c[5] == kGatedMlp || c[5] == kPlainMlp, "layer ", i, ": unknown MLP kind ", c[5]);
-    const int64_t up = c[5] == kGatedMlp ? 2 * intermediate_size : intermediate_size;
-    in_features.insert(in_features.end(), {hidden_size, q_size, hidden_size, intermediate_size});
-    out_features.insert(out_features.end(), {q_size + 2 * kv_size, hidden_size, up, hidden_size});
+    TORCH_CHECK(c[5] >= kGatedMlp && c[5] <= kMoe, "layer ", i, ": unknown MLP kind ", c[5]);
+    first_linear.push_back(static_cast<int64_t>(in_features.size()));
+    in_features.insert(in_features.end(), {hidden_size, q_size});
+    out_features.insert(out_features.end(), {q_size + 2 * kv_size, hidden_size});
+    if (c[5] != kMoe) {
+      const int64_t up = c[5] == kGatedMlp ? 2 * intermediate_size : intermediate_size;
+      in_features.insert(in_features.end(), {hidden_size, intermediate_size});
+      out_features.insert(out_features.end(), {up, hidden_size});
+      continue;
+    }
+    const Moe moe{c[8], c[9], c[10], c[11]};
+    TORCH_CHECK(moe.experts >= 1 && moe.top_k >= 1 && moe.top_k <= moe.experts && moe.shared_size >= 0 &&
+                    moe.routing >= kTopkSoftmax && moe.routing <= kSoftmaxTopkNormalized,
+                "layer ", i, ": a mixture of ", moe.experts, " experts, ", moe.top_k, " per token, routing ",
+                moe.routing, ", shared size ", moe.shared_size);
+    in_features.push_back(hidden_size);  // the router
+    out_features.push_back(moe.experts);
+    if (moe.shared_size > 0) {  // its gate, gate/up and down
+      in_features.insert(in_features.end(), {hidden_size, hidden_size, moe.shared_size});
+      out_features.insert(out_features.end(), {1, 2 * moe.shared_size, hidden_size});
+    }
+    for (int64_t e = 0; e < moe.experts; ++e) {
+      in_features.insert(in_features.end(), {hidden_size, intermediate_size});
+      out_features.insert(out_features.end(), {2 * intermediate_size, hidden_size});
+    }
   }
-  const std::vector<Linear> linears = read_linears(linear_specs, linear_tensors, num_layers, in_features, out_features);
+  const std::vector<Linear> linears = read_linears(linear_specs, linear_tensors, in_features, out_features);
   std::vector<Part> parts;
   for (int64_t p = 0; p < num_parts; ++p) {
     const int64_t begin = part_rows[2 * p], end = part_rows[2 * p + 1];
@@ -230,12 +333,15 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
     const int64_t* c = layer_codes.data() + i * kLayerCodes;
     const int64_t block = c[0], norm_kind = c[1], qk_norm = c[2], qk_kind = c[3], rope = c[4], mlp = c[5];
     const int64_t activation = c[6], window = c[7];
-    const double residual_scale = layer_scalars[i * kLayerScalars], soft_cap = layer_scalars[i * kLayerScalars + 1];
+    const Moe moe{c[8], c[9], c[10], c[11]};
+    const double* scalars = layer_scalars.data() + i * kLayerScalars;
+    const double residual_scale = scalars[0], soft_cap = scalars[1];
+    const GatedActivation gated_activation{activation, scalars[2], scalars[3]};
     const at::Tensor* t = layer_tensors.data() + i * kLayerTensors;
     const Norm input_norm{norm_kind, t}, post_attn_norm{norm_kind, t + 2}, pre_ff_norm{norm_kind, t + 4},
         post_ff_norm{norm_kind, t + 6}, q_norm{qk_kind, t + 8}, k_norm{qk_kind, t + 10};
     const at::Tensor &k_cache = t[12], &v_cache = t[13], &sinks = t[15];
-    const Linear* linear = linears.data() + i * kLinearsPerLayer;  // qkv, o, up, down
+    const Linear* linear = linears.data() + first_linear[i];  // qkv, o, then the MLP's (see Moe)
 
     // Attention over `x` (DecoderAttention.forward): qkv, q/k norms, rope, cache write, attention, o.
     auto attention = [&](const at::Tensor& x) {
@@ -285,15 +391,11 @@ std::tuple<at::Tensor, at::Tensor> run_layer_stack(
       }
       return project(linear[1], attended.reshape({tokens, q_size}), thresholds);
     };
-    // The MLP over `x` (GatedMLP / PlainMLP.forward).
+    // The feed-forward block over `x` (GatedMLP / PlainMLP / SparseMoE.forward).
     auto feed_forward = [&](const at::Tensor& x) {
-      auto up = project(linear[2], x, thresholds);
-      if (mlp == kPlainMlp) {
-        up = activate(activation, up);
-      } else if (!linear[2].gated()) {
-        up = activate_and_mul(activation, up);
-      }
-      return project(linear[3], up, thresholds);
+      if (mlp == kMoe) return mixture_of_experts(linear, moe, x, gated_activation, thresholds);
+      if (mlp == kGatedMlp) return gated_mlp(linear[2], linear[3], x, gated_activation, thresholds);
+      return project(linear[3], activate(activation, project(linear[2], x, thresholds)), thresholds);
     };
 
     // The wiring of DecoderLayer.forward.
