@@ -37,7 +37,10 @@
 // fp16 rounding of d * sc for the K-quants.
 // MXFP4 keeps its e2m1 codes as the nibbles; the kernel maps each code through a table to the
 // unsigned quant 2v + 12 (0..24 for v in -6..6) before the dot product, with S = 2^(e - 128) and
-// O = -12 S, so S * q + O = v * 2^(e - 127) exactly (int8_tiling_exact: S must be an fp16).
+// O = -12 S, so S * q + O = v * 2^(e - 127) exactly (int8_tiling_exact: S must be an fp16). AVX2
+// builds keep S as an exponent byte per block and row, the bits of a float's exponent field (a
+// power of two, as the file's E8M0 byte): 4.25 bits per weight as the file, where fp16 scales took
+// 4.5, and exact for any normal float S.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -79,11 +82,13 @@ struct Tiling {
   bool sub_scales = false;  // integer scales per block under an fp16 per kSuper inputs (else fp16 per block)
   bool signed_sub = false;  // sub-scales are int8 (Q6_K), else uint8
   bool signed_quants = false;  // 8-bit quants stored as int8, value = S * q (AVX2 builds)
+  bool e8m0 = false;  // block scales stored as one exponent byte b, S = 2^(b - 127) (0: zero; AVX2 builds)
 };
 
 // A tiling's scale form, fixed per kernel instance so that its loop carries no branch on it: fp16 per
-// block, or integer sub-scales (uint8 with uint8 mins: Q4_K, Q5_K; int8 without: Q6_K).
-enum class SubScales { kNone, kUnsignedWithMins, kSigned };
+// block, integer sub-scales (uint8 with uint8 mins: Q4_K, Q5_K; int8 without: Q6_K), or an exponent
+// byte per block (MXFP4: a power of two, as the file's E8M0 byte, so 4.25 bits per weight as the file).
+enum class SubScales { kNone, kUnsignedWithMins, kSigned, kExponent };
 
 Tiling tiling_of(int64_t format) {
   switch (format) {
@@ -94,26 +99,28 @@ Tiling tiling_of(int64_t format) {
     case F_Q5_K: return {5, 32, true, 0.f, false, true};
     case F_Q6_K: return {6, 16, false, -32.f, false, true, true};
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, 0.f, false, false, false, true};
+    case F_MXFP4: return {4, 32, false, -12.f, true, false, false, false, true};
 #else
     case F_Q4_K: return {4, 32, true, 0.f, false};
     case F_Q5_K: return {8, 32, true, 0.f, false};
     case F_Q6_K: return {6, 16, false, -32.f, false};
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f, false};
-#endif
     case F_MXFP4: return {4, 32, false, -12.f, true};
+#endif
   }
   TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
 }
 
 int64_t quant_bytes(const Tiling& t, int64_t k) { return kPanel * k * t.bits / 8; }
 int64_t panel_bytes(const Tiling& t, int64_t k) {
-  const int64_t per_block = t.sub_scales ? 1 : 2;  // an integer sub-scale, or an fp16
+  const int64_t per_block = t.sub_scales || t.e8m0 ? 1 : 2;  // an integer sub-scale or exponent, or an fp16
   const int64_t supers = t.sub_scales ? k / kSuper : 0;
   return quant_bytes(t, k) + ((k / t.flush) * per_block + supers * 2) * kPanel * (t.has_mins ? 2 : 1);
 }
 
 // A panel's scale regions, after its quants. Without sub-scales: scales, mins as fp16 [K/flush][16].
-// With them: sub, sub_mins [K/flush][16] bytes, then scales, mins as fp16 [K/super][16].
+// With them: sub, sub_mins [K/flush][16] bytes, then scales, mins as fp16 [K/super][16]. Exponent
+// bytes: sub [K/flush][16].
 struct PanelScales {
   const uint16_t* scales;
   const uint16_t* mins;
@@ -124,6 +131,7 @@ struct PanelScales {
 PanelScales panel_scales(const Tiling& t, const uint8_t* panel, int64_t k) {
   const uint8_t* at = panel + quant_bytes(t, k);
   const int64_t blocks = k / t.flush;
+  if (t.e8m0) return {nullptr, nullptr, at, nullptr};
   if (!t.sub_scales) {
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(at);
     return {scales, scales + blocks * kPanel, nullptr, nullptr};
@@ -283,6 +291,21 @@ inline float from_half_bits(uint16_t bits) {
   return half_to_float(raw);
 }
 
+// A power-of-two scale (or zero) as the exponent byte b of the float 2^(b - 127): the float's own
+// exponent bits, so b << 23 is the float again (b = 0: zero). Scales below 2^-126 have none.
+inline uint8_t exponent_byte(float scale) {
+  uint32_t bits;
+  std::memcpy(&bits, &scale, 4);
+  return static_cast<uint8_t>(bits >> 23);
+}
+
+inline float from_exponent_byte(uint8_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 23;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
 // Byte offset, inside a panel's quants, of the byte holding (row r, input i); and the bit shift.
 inline void quant_position(const Tiling& t, int r, int64_t i, int64_t* byte, int* shift, int64_t* high_byte,
                            int* high_shift) {
@@ -358,6 +381,11 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
         }
       }
     }
+    if (t.e8m0) {
+      uint8_t* exponents = const_cast<uint8_t*>(ps.sub);
+      for (int64_t f = 0; f < k / t.flush; ++f) exponents[f * kPanel + r] = exponent_byte(scale[f]);
+      continue;
+    }
     if (!t.sub_scales) {
       for (int64_t f = 0; f < k / t.flush; ++f) {
         scales[f * kPanel + r] = to_half_bits(scale[f]);
@@ -381,6 +409,11 @@ void tile_panel(int64_t format, const Tiling& t, const uint8_t* w, int64_t rb, i
 
 // Row r's scale S and offset O for block f of a panel (value = S * q + O).
 inline void block_scale(const Tiling& t, const PanelScales& ps, int64_t f, int r, float* scale, float* offset) {
+  if (t.e8m0) {
+    *scale = from_exponent_byte(ps.sub[f * kPanel + r]);
+    *offset = *scale * t.min_factor;
+    return;
+  }
   if (!t.sub_scales) {
     *scale = from_half_bits(ps.scales[f * kPanel + r]);
     *offset = t.has_mins ? from_half_bits(ps.mins[f * kPanel + r]) : *scale * t.min_factor;
@@ -657,6 +690,11 @@ __attribute__((always_inline)) inline void half_block_step(const Tiling& t, cons
   if constexpr (Sub == SubScales::kNone) {
     sc = half8(ps.scales + f * kPanel + 8 * half);
     mn = t.has_mins ? half8(ps.mins + f * kPanel + 8 * half) : _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
+  } else if constexpr (Sub == SubScales::kExponent) {
+    // The exponent bytes shifted into a float's exponent field: 2^(b - 127), or zero.
+    const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ps.sub + f * kPanel + 8 * half));
+    sc = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(b8), 23));
+    mn = _mm256_mul_ps(sc, _mm256_set1_ps(t.min_factor));
   } else {
     // S = d * sc and O = -dmin * m, exact in float (an fp16 times a 6-bit integer): block_scale's.
     const int64_t b = k0 / kSuper;
@@ -937,15 +975,18 @@ bool int8_tiling_supported(int64_t format) {
 }
 
 // Whether the tiling holds `qweight` exactly: an MXFP4 block's scale 2^(e - 128) must be an fp16
-// (e in 104..143) unless all its codes are zeros; every other format's scales are.
+// (e in 104..143), or with exponent bytes a normal float (e in 2..254), unless all its codes are zeros;
+// every other format's scales are.
 bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k) {
   check_weight(qweight, format, k);
   if (format != F_MXFP4) return true;
+  const bool bytes = tiling_of(format).e8m0;
+  const int lowest = bytes ? 2 : 104, highest = bytes ? 254 : 143;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const int64_t blocks = qweight.numel() / block_bytes(format);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * block_bytes(format);
-    if (blk[0] >= 104 && blk[0] <= 143) continue;
+    if (blk[0] >= lowest && blk[0] <= highest) continue;
     for (int i = 1; i < 17; ++i)
       if (blk[i] & 0x77) return false;  // a nonzero magnitude in either nibble
   }
@@ -1060,7 +1101,11 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (t.e2m1) {
+#if PAGEDLLM_INT8_AVX2_KERNEL
+    run_panels<4, 32, true, SubScales::kExponent>(t, w, n_rows, a, m, b, yp);
+#else
     run_panels<4, 32, true>(t, w, n_rows, a, m, b, yp);
+#endif
 #if PAGEDLLM_INT8_AVX2_KERNEL
   } else if (t.sub_scales && t.bits == 4) {
     run_panels<4, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
