@@ -186,15 +186,20 @@ MOE = {
 MOE_GAPS = {"mellum": "layers of different sizes"}  # dense and sparse layers in one model
 
 
+@pytest.mark.parametrize("weights", ["int8", "panels"])
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(MOE))
-def test_every_moe_family_runs_in_the_layer_loop(name, dtype, invariant, tmp_path, monkeypatch) -> None:
+def test_every_moe_family_runs_in_the_layer_loop(name, dtype, invariant, weights, tmp_path, monkeypatch) -> None:
     """Router, routing, experts and a shared expert in the loop: no gaps, every decode step (and
     every step where one window serves all layers) through it, and the logits equal the Python
-    layers' bit for bit, with and without batch invariance (routers through panels, or torch)."""
-    with use_kernel_config(batch_invariant=invariant):
-        model_config, model = _build_config(tmp_path, MOE[name](), dtype, "int8")
+    layers' bit for bit, with and without batch invariance (routers through panels, or torch), over
+    int8 rows and over our float panels (gated ones where the experts' activation is fused)."""
+    if weights == "panels" and not panels_supported(getattr(torch, dtype)):
+        pytest.skip(f"not on this CPU: no {dtype} panels here (the int8 rows of this test ran)")
+    config = {"batch_invariant": invariant, "gemm": "panels" if weights == "panels" else "auto"}
+    with use_kernel_config(**config):
+        model_config, model = _build_config(tmp_path, MOE[name](), dtype, "int8" if weights == "int8" else None)
         programs = model_programs(model.model)
         assert not any(p.gaps for p in programs), gaps_summary(programs)
         assert stack_report(model.model).startswith("C++ layer loop")
