@@ -173,7 +173,6 @@ struct Moe {
   // Its linear layers after qkv and o: the router, the shared expert's gate, gate/up and down, then
   // each expert's gate/up and down.
   int64_t first_expert() const { return shared_size > 0 ? 6 : 3; }
-  int64_t linears() const { return first_expert() + 2 * experts; }
 };
 
 // SparseMoE.forward over x [T, H] (`linear`: the layer's linear layers from qkv on): the router's
