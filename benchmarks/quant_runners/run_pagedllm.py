@@ -114,7 +114,11 @@ def preload() -> None:
     import transformers.utils.type_validators  # noqa: F401  (every model config imports it)
 
     import pagedllm.entrypoints.llm  # noqa: F401  (torch and the engine: ``import pagedllm`` alone is lazy)
+    from pagedllm.kernels import cpu_kernels
 
+    # Loaded (and built, after a change to their sources: ~3 minutes) before the clock: a rebuild once
+    # counted in a gpt-oss-20b load as 199 s.
+    cpu_kernels()
     transformers.PreTrainedTokenizerFast, transformers.PretrainedConfig  # noqa: B018  (resolve the lazy names)
 
 
