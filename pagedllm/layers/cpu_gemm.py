@@ -128,7 +128,8 @@ def row_invariant_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     panels = row_invariant_panels(layer, x.dtype, x.device)
     if panels is not None:
         return panels.linear(x.contiguous(), bias)
-    return F.linear(x, layer.weight.to(x.dtype), bias)  # a router computing in float32 over another dtype's
+    # .to: a router may compute in float32 over a weight of another dtype.
+    return F.linear(x, layer.weight.to(x.dtype), bias)
 
 
 def row_invariant_panels(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> PanelWeight | None:

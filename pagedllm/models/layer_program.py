@@ -131,7 +131,7 @@ def _router_segments(router: torch.nn.Linear, dtype: torch.dtype) -> list[Segmen
     return [(FLOAT_ROWS, 0, router.out_features, router.weight.detach().to(dtype), bias)]
 
 
-def _expert_linears(mlp: SparseMoE, dtype: torch.dtype) -> list[tuple[str, object, bool]]:
+def _expert_linears(mlp: SparseMoE) -> list[tuple[str, object, bool]]:
     """A mixture's linear layers after qkv and o, in run_layer_stack's order (its ``Moe``)."""
     named: list[tuple[str, object, bool]] = [("router", mlp.gate, False)]
     if mlp.shared_expert is not None:
@@ -149,7 +149,7 @@ def _linears(ops: LayerOps, dtype: torch.dtype, gaps: list[str]) -> list[list[Se
     if isinstance(mlp, GatedMLP):
         named += [("gate_up", mlp.gate_up_proj, True), ("down", mlp.down_proj, False)]
     elif isinstance(mlp, SparseMoE):
-        named += _expert_linears(mlp, dtype)
+        named += _expert_linears(mlp)
     else:
         named += [("fc", mlp.c_fc, False), ("proj", mlp.c_proj, False)]
     linears = []

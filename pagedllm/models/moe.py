@@ -33,7 +33,7 @@ class ClampedSwiGLU(nn.Module):
     """GPT-OSS's expert activation over [T, 2I] (gate, then up): the gate clamped from above, the up
     projection on both sides, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
 
-    activation = "clamped_swiglu"  # no fused kernel computes it: the C++ layer loop refuses it by name
+    activation = "clamped_swiglu"  # its code in the C++ layer loop, which computes it as forward does
 
     def __init__(self, limit: float, alpha: float) -> None:
         super().__init__()

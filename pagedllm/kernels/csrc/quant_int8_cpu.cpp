@@ -111,6 +111,13 @@ Tiling tiling_of(int64_t format) {
   TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
 }
 
+// The scale form of MXFP4's tiling in this build (tiling_of's e8m0).
+#if PAGEDLLM_INT8_AVX2_KERNEL
+constexpr SubScales kE2m1Scales = SubScales::kExponent;
+#else
+constexpr SubScales kE2m1Scales = SubScales::kNone;
+#endif
+
 int64_t quant_bytes(const Tiling& t, int64_t k) { return kPanel * k * t.bits / 8; }
 int64_t panel_bytes(const Tiling& t, int64_t k) {
   const int64_t per_block = t.sub_scales || t.e8m0 ? 1 : 2;  // an integer sub-scale or exponent, or an fp16
@@ -1101,11 +1108,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (t.e2m1) {
-#if PAGEDLLM_INT8_AVX2_KERNEL
-    run_panels<4, 32, true, SubScales::kExponent>(t, w, n_rows, a, m, b, yp);
-#else
-    run_panels<4, 32, true>(t, w, n_rows, a, m, b, yp);
-#endif
+    run_panels<4, 32, true, kE2m1Scales>(t, w, n_rows, a, m, b, yp);
 #if PAGEDLLM_INT8_AVX2_KERNEL
   } else if (t.sub_scales && t.bits == 4) {
     run_panels<4, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
