@@ -357,7 +357,7 @@ def test_mxfp4_checkpoint_stays_packed_and_matches_dequantized(tmp_path, tokeniz
     assert model_config.quantization == "mxfp4"
     model = build_model(model_config, "cpu")
     # With int8 activations (on wherever the CPU has an integer dot product) the MXFP4 rows are
-    # re-tiled for the int8 kernels (4.25 bits per weight as the file's on AVX2, 4.5 elsewhere).
+    # re-tiled for the int8 kernels (4.25 bits per weight, as the file).
     tiled = resolve_int8_activations(model_config.int8_activations, torch.device("cpu"))
     for layer in model.model.layers:
         for expert in layer.mlp.experts:

@@ -50,23 +50,20 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
     # Every format tiles wherever an int8 dot product runs (8-bit quants on AVX2 as signed bytes).
     tiled = tile_for_int8(packed.data, packed.fmt, 512)
     assert isinstance(tiled, Int8TiledTensor) and tiled.shape == (37, 512)
-    # Legacy formats keep their fp16 scales exactly. K-quants: the AVX2 loop keeps the file's integer
-    # sub-scales under its fp16 d (exact); VNNI builds round d * sc to an fp16 per block once.
-    sub_scales = cpu_kernels().int8_dot_isa() == "avx2"
+    # Legacy formats keep their fp16 scales, K-quants the file's integer sub-scales under its fp16 d,
+    # MXFP4 its power-of-two scales as exponent bytes: all exactly. int8 rows round their scales to fp16.
     weight = tiled.dequantize()
     exact = packed.dequantize()
-    if name == "I8_ROW" or (name in ("Q4_K", "Q5_K", "Q6_K") and not sub_scales):
+    if name == "I8_ROW":
         torch.testing.assert_close(weight, exact, rtol=1e-3, atol=1e-3 * float(exact.abs().max()))
     else:
         torch.testing.assert_close(weight, exact, rtol=0, atol=0)
     # Bits per weight of the tiling (quants, fp16 scales per block, fp16 mins where the format has
-    # them; with sub-scales a byte each per block and an fp16 each per 256 inputs; MXFP4 on AVX2 an
-    # exponent byte per block), for 48 rows: 37 padded to 3 panels of 16. The file's: Q4_0 4.5,
-    # Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, MXFP4 4.25.
-    bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 5, "Q5_K": 9, "Q6_K": 7, "I4_G64": 5, "I4_G128": 5,
-            "I8_ROW": 8.5, "MXFP4": 4.5}[name]
-    if sub_scales:
-        bits = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "MXFP4": 4.25}.get(name, bits)
+    # them; K-quants a byte each per block and an fp16 each per 256 inputs; MXFP4 an exponent byte
+    # per block), for 48 rows: 37 padded to 3 panels of 16, at every level with an int8 dot product.
+    # The file's: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, MXFP4 4.25.
+    bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "I4_G64": 5,
+            "I4_G128": 5, "I8_ROW": 8.5, "MXFP4": 4.25}[name]
     assert tiled.nbytes == 48 * 512 * bits / 8
     for rows in (1, 3, 4, 7, AMX_MIN_ROWS - 1):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -97,14 +94,13 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
 
 
 def test_mxfp4_tiling_only_where_exact(kernel_level):
-    """An MXFP4 block's scale goes into the tiling as an fp16 (AVX2: as an exponent byte, a normal
-    float's): a weight with a scale the tiling cannot hold keeps its packed rows (the float kernels
-    multiply it), an all-zero block may have any scale."""
+    """An MXFP4 block's scale goes into the tiling as an exponent byte, a normal float's: a weight
+    with a scale the tiling cannot hold keeps its packed rows (the float kernels multiply it), an
+    all-zero block may have any scale."""
     from pagedllm.quantization.formats import MXFP4
 
     if int8_tiling_reason(torch.device("cpu")) is not None:
         pytest.skip(f"{kernel_level.level}: no int8 dot product")  # the kernel test above checks the reason
-    exponent_bytes = cpu_kernels().int8_dot_isa() == "avx2"
     packed = _packed("MXFP4", 16, 64, seed=2)
     blocks = packed.data.view(16, 2, MXFP4.block_bytes)
     blocks[0, 0, 1:] = 0  # an all-zero block ...
@@ -112,12 +108,11 @@ def test_mxfp4_tiling_only_where_exact(kernel_level):
     blocks[1, 0, 0] = 200  # 2^72 times nonzero codes: past fp16's range, a normal float
     blocks[2, 1, 0] = 20  # 2^-107: below fp16's range, a normal float
     tiled = tile_for_int8(packed.data, MXFP4, 64)
-    assert (tiled is not None) == exponent_bytes
-    if exponent_bytes:
-        torch.testing.assert_close(tiled.dequantize(), packed.dequantize(), rtol=0, atol=0)
-        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
-        expected = torch.nn.functional.linear(_int8_blocks(x), packed.dequantize())
-        torch.testing.assert_close(tiled.linear(x, None), expected, rtol=1e-5, atol=0)
+    assert tiled is not None
+    torch.testing.assert_close(tiled.dequantize(), packed.dequantize(), rtol=0, atol=0)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.linear(_int8_blocks(x), packed.dequantize())
+    torch.testing.assert_close(tiled.linear(x, None), expected, rtol=1e-5, atol=0)
     blocks[1, 0, 0], blocks[2, 1, 0] = 127, 128
     tiled = tile_for_int8(packed.data, MXFP4, 64)
     assert tiled is not None

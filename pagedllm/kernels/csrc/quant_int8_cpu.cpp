@@ -13,34 +13,33 @@
 //            gives two [16 rows x 4 inputs] operands after an and / a shift.
 //            6-bit (Q6_K): per 16 inputs, two such nibble chunks then a chunk whose byte 4r + j holds
 //            the high 2 bits of the 4 [16 x 4] operands (bits 2s, 2s + 1 for operand s).
-//            5-bit (Q5_K, AVX2 builds): per 32 inputs, four nibble chunks as 4-bit, then a chunk whose
+//            5-bit (Q5_K): per 32 inputs, four nibble chunks as 4-bit, then a chunk whose
 //            byte 4r + j holds the high bits of the 8 [16 x 4] operands (bit s for operand s).
 //            8-bit: one chunk per 4 inputs, a byte per quant (AVX2 builds: the signed quant, see below).
 //   scales:  per block of `flush` inputs (32; 16 for Q6_K), 16 fp16 scales S (one per row);
 //   mins:    per block, 16 fp16 offsets O when the format has them (Q4_1, Q4_K, Q5_K, int4 groups);
 //            otherwise O = c * S with the format's constant c (Q4_0: -8, Q6_K: -32, 8-bit: -128).
-// Sub-scales (the K-quants in AVX2 builds): the file's integer scales stay integers, as bytes per
-// block and row (Q6_K's signed), under one fp16 per 256 inputs and row: S = d * sc, O = dmin * m
-// (dmin stored negated). Regions: sc [K/flush][16], m [K/flush][16], d [K/256][16], dmin [K/256][16].
-// Q4_K reads 4.625 bits per weight so (5 with fp16 scales and mins per block; the file's 4.5),
-// Q6_K 6.5625 (7; the file's 6.5625), Q5_K 5.625 (9 as bytes; the file's 5.5): decode streams the
-// weights once per token, so its time follows these bytes. The AVX-512 kernel and the AMX decoder
-// read fp16 block scales, so VNNI builds keep them.
+// Sub-scales (the K-quants): the file's integer scales stay integers, as bytes per block and row
+// (Q6_K's signed), under one fp16 per 256 inputs and row: S = d * sc, O = dmin * m (dmin stored
+// negated). Regions: sc [K/flush][16], m [K/flush][16], d [K/256][16], dmin [K/256][16]. Q4_K reads
+// 4.625 bits per weight so (5 with fp16 scales and mins per block; the file's 4.5), Q6_K 6.5625 (7;
+// the file's 6.5625), Q5_K 5.625 (the file's 5.5): decode streams the weights once per token, so its
+// time follows these bytes. d * sc is exact in float (an fp16 times a 6-bit integer), so the tiling
+// holds the file's weights exactly.
 // Signed 8-bit quants (Q8_0 and int8 rows, AVX2 builds): pmaddubsw takes one unsigned operand, and the
 // unsigned quant q + 128 times an int8 activation would overflow its int16 pair sums, so the tiling
 // keeps the file's int8 quant w (value = S * w, no offset) and the kernel multiplies |w| by the
-// activation carrying w's sign: each pair sum stays within 2 x 128 x 127.
+// activation carrying w's sign: each pair sum stays within 2 x 128 x 127. VNNI's vpdpbusd adds its
+// four products in int32, so VNNI builds keep q + 128 (O = -128 S): the same bytes, no sign steps.
 // A weight is S * q + O with q the unsigned quant, so a block's contribution to y[m, n] is
 //   dx * S * sum(q * xq) + O * dx * sum(xq)
 // with dx the activation block's scale: one integer dot product per block, two FMAs to apply it.
-// Scales are stored as fp16: exact for the legacy formats (their scales are fp16), and within
-// fp16 rounding of d * sc for the K-quants.
+// The legacy formats' scales are stored as fp16, exactly (they are the file's).
 // MXFP4 keeps its e2m1 codes as the nibbles; the kernel maps each code through a table to the
 // unsigned quant 2v + 12 (0..24 for v in -6..6) before the dot product, with S = 2^(e - 128) and
-// O = -12 S, so S * q + O = v * 2^(e - 127) exactly (int8_tiling_exact: S must be an fp16). AVX2
-// builds keep S as an exponent byte per block and row, the bits of a float's exponent field (a
-// power of two, as the file's E8M0 byte): 4.25 bits per weight as the file, where fp16 scales took
-// 4.5, and exact for any normal float S.
+// O = -12 S, so S * q + O = v * 2^(e - 127) exactly. S is kept as an exponent byte per block and
+// row, the bits of a float's exponent field (a power of two, as the file's E8M0 byte): 4.25 bits per
+// weight as the file, and exact for any normal float S (int8_tiling_exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -82,7 +81,7 @@ struct Tiling {
   bool sub_scales = false;  // integer scales per block under an fp16 per kSuper inputs (else fp16 per block)
   bool signed_sub = false;  // sub-scales are int8 (Q6_K), else uint8
   bool signed_quants = false;  // 8-bit quants stored as int8, value = S * q (AVX2 builds)
-  bool e8m0 = false;  // block scales stored as one exponent byte b, S = 2^(b - 127) (0: zero; AVX2 builds)
+  bool e8m0 = false;  // block scales stored as one exponent byte b, S = 2^(b - 127) (0: zero)
 };
 
 // A tiling's scale form, fixed per kernel instance so that its loop carries no branch on it: fp16 per
@@ -94,29 +93,18 @@ Tiling tiling_of(int64_t format) {
   switch (format) {
     case F_Q4_0: return {4, 32, false, -8.f, false};
     case F_Q4_1: case F_I4_G64: case F_I4_G128: return {4, 32, true, 0.f, false};
-#if PAGEDLLM_INT8_AVX2_KERNEL
     case F_Q4_K: return {4, 32, true, 0.f, false, true};
     case F_Q5_K: return {5, 32, true, 0.f, false, true};
     case F_Q6_K: return {6, 16, false, -32.f, false, true, true};
+#if PAGEDLLM_INT8_AVX2_KERNEL
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, 0.f, false, false, false, true};
-    case F_MXFP4: return {4, 32, false, -12.f, true, false, false, false, true};
 #else
-    case F_Q4_K: return {4, 32, true, 0.f, false};
-    case F_Q5_K: return {8, 32, true, 0.f, false};
-    case F_Q6_K: return {6, 16, false, -32.f, false};
     case F_Q8_0: case F_I8_ROW: return {8, 32, false, -128.f, false};
-    case F_MXFP4: return {4, 32, false, -12.f, true};
 #endif
+    case F_MXFP4: return {4, 32, false, -12.f, true, false, false, false, true};
   }
   TORCH_CHECK(false, "no int8 tiling for quantized weight format ", format);
 }
-
-// The scale form of MXFP4's tiling in this build (tiling_of's e8m0).
-#if PAGEDLLM_INT8_AVX2_KERNEL
-constexpr SubScales kE2m1Scales = SubScales::kExponent;
-#else
-constexpr SubScales kE2m1Scales = SubScales::kNone;
-#endif
 
 int64_t quant_bytes(const Tiling& t, int64_t k) { return kPanel * k * t.bits / 8; }
 int64_t panel_bytes(const Tiling& t, int64_t k) {
@@ -434,6 +422,67 @@ inline void block_scale(const Tiling& t, const PanelScales& ps, int64_t f, int r
                        : *scale * t.min_factor;
 }
 
+inline vec16 load_half16(const uint16_t* p);
+
+// 16 bytes as 16 floats (Signed: int8 values) or, Exponent, as the floats whose exponent fields they are.
+template <bool Signed, bool Exponent = false>
+inline vec16 bytes_to_floats(const uint8_t* p) {
+  vec16 out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i wide = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 v = Exponent ? _mm512_castsi512_ps(_mm512_slli_epi32(wide, 23)) : _mm512_cvtepi32_ps(wide);
+  std::memcpy(&out, &v, 64);
+#else
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (Exponent) {
+      out[i] = from_exponent_byte(p[i]);
+    } else {
+      out[i] = Signed ? static_cast<float>(static_cast<int8_t>(p[i])) : static_cast<float>(p[i]);
+    }
+  }
+#endif
+  return out;
+}
+
+// Rows 0..15's scales S and offsets O of block f of a panel (value = S * q + O), in the scale form Sub,
+// with block_scale's float arithmetic lane by lane (d * sc is exact in float: an fp16 times a 6-bit
+// integer), so every kernel reading them gives the same products.
+template <SubScales Sub>
+inline void block_scales16(const Tiling& t, const PanelScales& ps, int64_t f, vec16* scale, vec16* offset) {
+  if constexpr (Sub == SubScales::kNone) {
+    *scale = load_half16(ps.scales + f * kPanel);
+    *offset = t.has_mins ? load_half16(ps.mins + f * kPanel) : *scale * t.min_factor;
+  } else if constexpr (Sub == SubScales::kExponent) {
+    *scale = bytes_to_floats<false, true>(ps.sub + f * kPanel);
+    *offset = *scale * t.min_factor;
+  } else {
+    const int64_t b = f * t.flush / kSuper;
+    *scale = bytes_to_floats<Sub == SubScales::kSigned>(ps.sub + f * kPanel) * load_half16(ps.scales + b * kPanel);
+    if constexpr (Sub == SubScales::kUnsignedWithMins) {
+      *offset = bytes_to_floats<false>(ps.sub_mins + f * kPanel) * load_half16(ps.mins + b * kPanel);
+    } else {
+      *offset = *scale * t.min_factor;
+    }
+  }
+}
+
+// The panel after the one being multiplied (null: none), streamed into the cache beside its arithmetic,
+// an equal share of its bytes per scale block (the last block takes the rest). A prefetch of the whole
+// next panel at once stalled the kernels on EPYCs: on a Zen 4 a third of a one-row Q4_K product's
+// samples sat in that prefetch loop, at half the read bandwidth.
+struct NextPanel {
+  const uint8_t* next;
+  int64_t bytes, blocks;
+
+  inline void block(int64_t f) const {
+    if (next == nullptr) return;
+    const int64_t share = bytes / blocks;
+    const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? bytes : (f + 1) * share;
+    for (int64_t line = from; line < to; line += 64) __builtin_prefetch(next + line, 0, 3);
+  }
+};
+
 // ---- The integer dot-product step: acc[lane] += sum_j w[4 lane + j] * x[j] ----
 
 typedef int32_t i32v __attribute__((vector_size(64)));
@@ -561,6 +610,15 @@ inline void block_operands(const uint8_t* quants, int64_t f, u8x64 (&ops)[Flush 
         ops[2 * c] = e2m1_quants(ops[2 * c]);
         ops[2 * c + 1] = e2m1_quants(ops[2 * c + 1]);
       }
+    }
+  } else if constexpr (Bits == 5) {
+    static_assert(Flush == 32, "5-bit panels hold 32-input groups");
+    const uint8_t* g = quants + f * 320;
+    const u8x64 h = load_u8x64(g + 256), bit = (u8x64){} + 1;
+    for (int c = 0; c < 4; ++c) {
+      const u8x64 v = load_u8x64(g + 64 * c);
+      ops[2 * c] = (v & low) | (((h >> (2 * c)) & bit) << 4);
+      ops[2 * c + 1] = ((v >> 4) & low) | (((h >> (2 * c + 1)) & bit) << 4);
     }
   } else if constexpr (Bits == 6) {
     static_assert(Flush == 16, "6-bit panels hold 16-input groups");
@@ -725,17 +783,11 @@ __attribute__((always_inline)) inline void half_block_step(const Tiling& t, cons
 template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
 void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
                        const uint8_t* next) {
-  const int64_t k = a.k, blocks = k / Flush, pb = panel_bytes(t, k);
-  const int64_t share = pb / blocks;  // bytes of the next panel prefetched per block; the last takes the rest
+  const int64_t k = a.k, blocks = k / Flush;
   const PanelScales ps = panel_scales(t, panel, k);
   const int8_t* xrow[MR];
   for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
-  // The next panel streams in beside this one's arithmetic, an equal share of its bytes per block: a
-  // prefetch of the whole next panel at once (the AVX-512 loop's) stalled this loop on AVX2 EPYCs.
-  const auto prefetch_share = [&](int64_t f) {
-    const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? pb : (f + 1) * share;
-    for (int64_t line = from; line < to; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-  };
+  const NextPanel prefetch{next, panel_bytes(t, k), blocks};
   if constexpr (MR <= 2) {
     // Few rows leave registers for both halves at once, so a block's activation broadcasts serve 16
     // rows and the panel streams in one pass. One row's product was bound by instructions, not by
@@ -745,7 +797,7 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
     for (int h = 0; h < 2; ++h)
       for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
     for (int64_t f = 0; f < blocks; ++f) {
-      if (next != nullptr) prefetch_share(f);
+      prefetch.block(f);
       half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, 0, acc[0]);
       half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, 1, acc[1]);
     }
@@ -757,7 +809,7 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
     __m256 acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t f = 0; f < blocks; ++f) {
-      if (next != nullptr && half == 0) prefetch_share(f);
+      if (half == 0) prefetch.block(f);
       half_block_step<Bits, Flush, MR, E2M1, Sub>(t, panel, ps, a, xrow, m0, f, half, acc);
     }
     for (int m = 0; m < MR; ++m) _mm256_storeu_ps(reinterpret_cast<float*>(&out[m]) + 8 * half, acc[m]);
@@ -766,29 +818,30 @@ void panel_kernel_avx2(const Tiling& t, const uint8_t* panel, const Activations&
 #endif
 
 // y[m, panel rows] for MR activation rows starting at m0, over one panel. next: the panel after this
-// one (null if none), which the AVX2 kernel prefetches as it goes.
+// one (null if none), which the kernel prefetches as it goes (NextPanel).
 template <int Bits, int Flush, int MR, bool E2M1, SubScales Sub>
 void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, int64_t m0, vec16* out,
-                  [[maybe_unused]] const uint8_t* next) {
+                  const uint8_t* next) {
 #if PAGEDLLM_INT8_AVX2_KERNEL
   panel_kernel_avx2<Bits, Flush, MR, E2M1, Sub>(t, panel, a, m0, out, next);
 #else
   const int64_t k = a.k;
   const uint8_t* quants = panel;
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
-  const uint16_t* mins = scales + (k / Flush) * kPanel;
+  const PanelScales ps = panel_scales(t, panel, k);
+  const NextPanel prefetch{next, panel_bytes(t, k), k / Flush};
   vec16 acc[MR] = {};
   const int8_t* xrow[MR];
   for (int m = 0; m < MR; ++m) xrow[m] = a.q + (m0 + m) * k;
   for (int64_t f = 0; f < k / Flush; ++f) {
+    prefetch.block(f);
     i32v iacc[MR] = {};
     const int64_t k0 = f * Flush;
     u8x64 ops[Flush / 4];
     block_operands<Bits, Flush, E2M1>(quants, f, ops);
     for (int s = 0; s < Flush / 4; ++s)
       for (int m = 0; m < MR; ++m) iacc[m] = dot4(iacc[m], ops[s], x4_at(xrow[m] + k0 + 4 * s));
-    const vec16 sc = load_half16(scales + f * kPanel);
-    const vec16 mn = t.has_mins ? load_half16(mins + f * kPanel) : sc * t.min_factor;
+    vec16 sc, mn;
+    block_scales16<Sub>(t, ps, f, &sc, &mn);
     for (int m = 0; m < MR; ++m) {
       const float dx = a.scale[(m0 + m) * (k / kActBlock) + k0 / kActBlock];
       const float sx = a.sums[(m0 + m) * a.sums_per_row + f];
@@ -804,7 +857,7 @@ void panel_kernel(const Tiling& t, const uint8_t* panel, const Activations& a, i
 // + offset rounded to nearest even (as the float weight's .to(bfloat16)), in the packed layout of
 // dense_gemm_cpu.cpp: out[k / 2][32][2]. An operand's lane 4r + j (row r, input j) goes to pair-row
 // j / 2, output r, slot j % 2: its even 32-bit pairs form one pair-row, its odd pairs the next.
-template <int Bits, int Flush, bool E2M1>
+template <int Bits, int Flush, bool E2M1, SubScales Sub>
 void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k, int64_t p, uint16_t* out) {
   const int64_t pb = panel_bytes(t, k);
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -821,12 +874,11 @@ void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int
       continue;
     }
     const uint8_t* panel = w + source * pb;
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel + quant_bytes(t, k));
-    const uint16_t* mins = scales + (k / Flush) * kPanel;
+    const PanelScales ps = panel_scales(t, panel, k);
     for (int64_t f = 0; f < k / Flush; ++f) {
       __m512 sc, mn;
-      const vec16 s16 = load_half16(scales + f * kPanel);
-      const vec16 m16 = t.has_mins ? load_half16(mins + f * kPanel) : s16 * t.min_factor;
+      vec16 s16, m16;
+      block_scales16<Sub>(t, ps, f, &s16, &m16);
       std::memcpy(&sc, &s16, 64);
       std::memcpy(&mn, &m16, 64);
       __m512 lane_scale[4], lane_offset[4];
@@ -855,10 +907,18 @@ void decode_dense_panel(const Tiling& t, const uint8_t* w, int64_t n_panels, int
 }
 
 PanelDecoder dense_panel_decoder(const Tiling& t, const uint8_t* w, int64_t n_panels, int64_t k) {
-  if (t.e2m1) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, true>(t, w, n_panels, k, p, out); };
-  if (t.bits == 4) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, false>(t, w, n_panels, k, p, out); };
-  if (t.bits == 6) return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<6, 16, false>(t, w, n_panels, k, p, out); };
-  return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<8, 32, false>(t, w, n_panels, k, p, out); };
+  constexpr SubScales kMins = SubScales::kUnsignedWithMins;
+  if (t.e2m1)
+    return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, true, SubScales::kExponent>(t, w, n_panels, k, p, out); };
+  if (t.sub_scales && t.bits == 4)
+    return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, false, kMins>(t, w, n_panels, k, p, out); };
+  if (t.sub_scales && t.bits == 5)
+    return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<5, 32, false, kMins>(t, w, n_panels, k, p, out); };
+  if (t.sub_scales && t.bits == 6)
+    return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<6, 16, false, SubScales::kSigned>(t, w, n_panels, k, p, out); };
+  if (t.bits == 4)
+    return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<4, 32, false, SubScales::kNone>(t, w, n_panels, k, p, out); };
+  return [=, &t](int64_t p, uint16_t* out) { decode_dense_panel<8, 32, false, SubScales::kNone>(t, w, n_panels, k, p, out); };
 }
 #endif
 
@@ -881,12 +941,6 @@ void run_panels(const Tiling& t, const uint8_t* w, int64_t n_rows, const Activat
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = w + p * pb;
       const uint8_t* next = p + 1 < end ? panel + pb : nullptr;
-#if !PAGEDLLM_INT8_AVX2_KERNEL
-      if (next != nullptr) {
-        // The next panel streams in from memory while this one is multiplied.
-        for (int64_t line = 0; line < pb; line += 64) __builtin_prefetch(next + line, 0, 3);
-      }
-#endif
       const int64_t n0 = p * kPanel;
       const int rows = static_cast<int>(std::min<int64_t>(kPanel, n_rows - n0));
       vec16 b = {};
@@ -981,14 +1035,12 @@ bool int8_tiling_supported(int64_t format) {
   return false;
 }
 
-// Whether the tiling holds `qweight` exactly: an MXFP4 block's scale 2^(e - 128) must be an fp16
-// (e in 104..143), or with exponent bytes a normal float (e in 2..254), unless all its codes are zeros;
-// every other format's scales are.
+// Whether the tiling holds `qweight` exactly: an MXFP4 block's scale 2^(e - 128) must be a normal
+// float (e in 2..254), unless all its codes are zeros; every other format's scales are.
 bool int8_tiling_exact(at::Tensor qweight, int64_t format, int64_t k) {
   check_weight(qweight, format, k);
   if (format != F_MXFP4) return true;
-  const bool bytes = tiling_of(format).e8m0;
-  const int lowest = bytes ? 2 : 104, highest = bytes ? 254 : 143;
+  const int lowest = 2, highest = 254;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const int64_t blocks = qweight.numel() / block_bytes(format);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -1108,19 +1160,15 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor tiled, int64_t format, int64_t n
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (t.e2m1) {
-    run_panels<4, 32, true, kE2m1Scales>(t, w, n_rows, a, m, b, yp);
-#if PAGEDLLM_INT8_AVX2_KERNEL
+    run_panels<4, 32, true, SubScales::kExponent>(t, w, n_rows, a, m, b, yp);
   } else if (t.sub_scales && t.bits == 4) {
     run_panels<4, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
   } else if (t.sub_scales && t.bits == 5) {
     run_panels<5, 32, false, SubScales::kUnsignedWithMins>(t, w, n_rows, a, m, b, yp);
   } else if (t.sub_scales && t.bits == 6) {
     run_panels<6, 16, false, SubScales::kSigned>(t, w, n_rows, a, m, b, yp);
-#endif
   } else if (t.bits == 4) {
     run_panels<4, 32>(t, w, n_rows, a, m, b, yp);
-  } else if (t.bits == 6) {
-    run_panels<6, 16>(t, w, n_rows, a, m, b, yp);
   } else {
     run_panels<8, 32>(t, w, n_rows, a, m, b, yp);
   }
