@@ -467,10 +467,13 @@ inline void block_scales16(const Tiling& t, const PanelScales& ps, int64_t f, ve
   }
 }
 
-// The panel after the one being multiplied (null: none), streamed into the cache beside its arithmetic,
-// an equal share of its bytes per scale block (the last block takes the rest). A prefetch of the whole
+// The panel after the one being multiplied (null: none), streamed into L2 beside its arithmetic, an
+// equal share of its bytes per scale block (the last block takes the rest). A prefetch of the whole
 // next panel at once stalled the kernels on EPYCs: on a Zen 4 a third of a one-row Q4_K product's
-// samples sat in that prefetch loop, at half the read bandwidth.
+// samples sat in that prefetch loop, at half the read bandwidth. Into L2 (prefetcht1) rather than L1,
+// the lines leave L1's miss buffers to the kernel's own loads: on the Zen 4, one-row Q4_K 9728 x 2560
+// went from 0.61 to 0.51 ms in the VNNI kernel and from 0.83 to 0.60 ms in the AVX2 one
+// (benchmarks/kernel_builds_ab.py).
 struct NextPanel {
   const uint8_t* next;
   int64_t bytes, blocks;
@@ -479,7 +482,7 @@ struct NextPanel {
     if (next == nullptr) return;
     const int64_t share = bytes / blocks;
     const int64_t from = (f * share) & ~int64_t{63}, to = f + 1 == blocks ? bytes : (f + 1) * share;
-    for (int64_t line = from; line < to; line += 64) __builtin_prefetch(next + line, 0, 3);
+    for (int64_t line = from; line < to; line += 64) __builtin_prefetch(next + line, 0, 2);
   }
 };
 
