@@ -3,7 +3,7 @@
 For each zoo file (random weights of the real shapes, written by make_gguf_models.py) both engines
 run the same GGUF with the same threads:
 - llama.cpp's ``llama-bench`` (flash attention on): prompt processing of a 512-token prompt (pp512)
-  and single-stream decode of 128 tokens (tg128), ``--repeats`` runs each;
+  and single-stream decode of 128 tokens (tg128), one run per repeat;
 - llama.cpp's ``llama-server --parallel 16``: load time (start to /health ready), peak RSS, and
   the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens), over the
   whole run and over its decode alone (the run less a batch of the same shape with one new token),
@@ -13,6 +13,12 @@ run the same GGUF with the same threads:
   (the 512-token prompt's pass: arrival to first token), and 16 streams' aggregate, over the same
   KV cells as llama-server's in the same type (``--kv-cache-dtype``, float16 as llama.cpp's default
   f16 cache; pagedllm's "auto" would store float32, its activation type on a CPU).
+The engines alternate repeat by repeat (llama-bench ``-r 1``, then ours, with our engine loaded
+throughout and llama-server beside it for the streams), and each ratio against llama.cpp is the median
+of the repeats' paired ratios: on a shared VM the machine's speed moves between minutes by more than
+the margins measured, so two engines measured in windows of their own compare two moments. Where
+memory cannot hold both engines at once (gpt-oss-20b), or with ``--sequential``, each engine's repeats
+run in a window of their own, and the ratio is of the medians.
 The roofline of single-stream decode is read bandwidth (benchmarks/bandwidth.py, measured first
 and again after each model, the highest of these: on a shared VM the rate moved between 17.5 and
 34.9 GB/s from one run's start to another's, and one measurement taken at a slow moment put a decode
@@ -64,6 +70,7 @@ class Row:
     path: str
     file_gib: float
     roofline_tok_s: float | None = None
+    interleaved: bool = True
     ours: dict[str, Any] = field(default_factory=dict)
     llamacpp: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -112,45 +119,126 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def streams_rates(engine: Any, repeats: int) -> tuple[float | None, float | None]:
-    """Median aggregate output tok/s of STREAMS concurrent streams, after a short warm-up batch; the
-    same prompts for every engine: (over the whole run, its 16 prompts' prefill included; over the
-    decode alone: the run less the same prompts' batch with one new token, its first)."""
-    engine.batch(prompts(10, 2, PROMPT), 4)
-    rates, decode_rates = [], []
-    for r in range(repeats):
-        batch = prompts(300 + r, STREAMS, PROMPT)
-        reply = engine.batch(batch, NEW)
-        rates.append(reply["tokens"] / reply["elapsed"])
-        # Other prompts of the same lengths: a prefix cache would otherwise make the prefill free.
-        prefill = engine.batch(prompts(350 + r, STREAMS, PROMPT), 1)
-        if reply["elapsed"] > prefill["elapsed"]:
-            decode_rates.append((reply["tokens"] - STREAMS) / (reply["elapsed"] - prefill["elapsed"]))
-    return median(rates), median(decode_rates)
+def streams_round(engine: Any, r: int) -> tuple[float, float | None]:
+    """Aggregate output tok/s of STREAMS concurrent streams, the same prompts for every engine: (over
+    the whole run, its 16 prompts' prefill included; over the decode alone: the run less the same
+    prompts' batch with one new token, its first)."""
+    reply = engine.batch(prompts(300 + r, STREAMS, PROMPT), NEW)
+    # Other prompts of the same lengths: a prefix cache would otherwise make the prefill free.
+    prefill = engine.batch(prompts(350 + r, STREAMS, PROMPT), 1)
+    decode = None
+    if reply["elapsed"] > prefill["elapsed"]:
+        decode = (reply["tokens"] - STREAMS) / (reply["elapsed"] - prefill["elapsed"])
+    return reply["tokens"] / reply["elapsed"], decode
 
 
-def measure_ours(args: argparse.Namespace, path: str, row: Row) -> None:
+def ours_round(engine: ChildEngine, r: int) -> tuple[float, float]:
+    """(single-stream decode tok/s after a PROMPT-token prompt, pp512 tok/s) of one repeat."""
+    reply = engine.single(prompts(100 + r, 1, PROMPT)[0], NEW)
+    decode = (reply["tokens"] - 1) / reply["decode_s"]
+    reply = engine.single(prompts(200 + r, 1, PP)[0], 1)
+    return decode, PP / reply["prefill_s"]
+
+
+def llamacpp_round(args: argparse.Namespace, path: str) -> tuple[float | None, float | None]:
+    """(tg128, pp512) of one ``llama-bench -r 1`` run."""
+    bench = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-bench")
+    entries = llama_bench(bench, path, args.threads, 1, ["-p", str(PP), "-n", str(NEW)])
+    return bench_rate(entries, 0, NEW), bench_rate(entries, PP, 0)
+
+
+def open_ours(args: argparse.Namespace, path: str, row: Row) -> ChildEngine:
     engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
                          args.threads, {"kv_tokens": STREAMS * SLOT_TOKENS, "max_num_seqs": STREAMS,
                                         "llm": {"max_model_len": PP + NEW, "kv_cache_dtype": args.kv_cache_dtype}},
                          {}, os.path.join(args.log_dir, f"{row.model}-pagedllm.log"))
+    row.ours["load_s"] = engine.load_s
+    engine.single(prompts(9, 1, PROMPT)[0], 4)  # warm-up
+    return engine
+
+
+def open_server(args: argparse.Namespace, path: str, row: Row) -> LlamaServerEngine:
+    server = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-server")
+    engine = LlamaServerEngine(server, path, args.threads, STREAMS, SLOT_TOKENS,
+                               os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
+    row.llamacpp["load_s"] = engine.load_s
+    return engine
+
+
+def record(row: Row, figures: dict[str, dict[str, list[float | None]]]) -> None:
+    """Each figure's median per engine, its runs, and the median of the repeats' paired ratios (ours
+    over llama.cpp's of the same repeat: with the engines interleaved, each ratio is one time window)."""
+    for key, runs in figures.items():
+        for side, values in (("ours", runs["ours"]), ("llamacpp", runs["llamacpp"])):
+            kept = [v for v in values if v is not None]
+            getattr(row, side)[key] = median(kept)
+            getattr(row, side)[key.replace("_tok_s", "_runs")] = kept
+        pairs = [o / c for o, c in zip(runs["ours"], runs["llamacpp"]) if o and c]
+        row.ours[key.replace("_tok_s", "_paired_ratio")] = median(pairs)
+
+
+def memory_fits_both(path: str) -> bool:
+    """Whether both engines can stay loaded at once: ours holds its tilings beside the page cache's
+    file, llama.cpp its repacked copy; a margin for KV, buffers and the orchestrator."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return 3 * os.path.getsize(path) + (4 << 30) <= available
+
+
+def measure_short(args: argparse.Namespace, path: str, row: Row) -> None:
+    """Load, decode, pp512, 16 streams and peak RSS of both engines. With ``row.interleaved`` each
+    repeat runs llama.cpp's round, then ours, with our engine loaded throughout (and llama-server beside
+    it for the streams); otherwise each engine's repeats run in a window of its own, one engine loaded
+    at a time (for files too large to hold twice)."""
+    short = {"decode_tok_s": {"ours": [], "llamacpp": []}, "pp512_tok_s": {"ours": [], "llamacpp": []}}
+    streams = {"streams16_tok_s": {"ours": [], "llamacpp": []},
+               "streams16_decode_tok_s": {"ours": [], "llamacpp": []}}
+
+    def llamacpp_rounds() -> None:
+        decode, pp = llamacpp_round(args, path)
+        short["decode_tok_s"]["llamacpp"].append(decode)
+        short["pp512_tok_s"]["llamacpp"].append(pp)
+
+    def add(side: str, rates: tuple[float | None, ...], into: dict[str, dict[str, list[float | None]]]) -> None:
+        for key, value in zip(into, rates):
+            into[key][side].append(value)
+
+    if not row.interleaved:
+        for _ in range(args.repeats):
+            llamacpp_rounds()
+    ours = open_ours(args, path, row)
     try:
-        row.ours["load_s"] = engine.load_s
-        engine.single(prompts(9, 1, PROMPT)[0], 4)  # warm-up
-        decode, pp = [], []
         for r in range(args.repeats):
-            reply = engine.single(prompts(100 + r, 1, PROMPT)[0], NEW)
-            decode.append((reply["tokens"] - 1) / reply["decode_s"])
-            reply = engine.single(prompts(200 + r, 1, PP)[0], 1)
-            pp.append(PP / reply["prefill_s"])
-        row.ours["decode_tok_s"], row.ours["pp512_tok_s"] = median(decode), median(pp)
+            if row.interleaved:
+                llamacpp_rounds()
+            add("ours", ours_round(ours, r), short)
         if not args.no_streams:
-            row.ours["streams16_tok_s"], row.ours["streams16_decode_tok_s"] = streams_rates(engine, args.repeats)
-        memory = engine.memory()
+            if not row.interleaved:  # one engine loaded at a time
+                for r in range(args.repeats):
+                    add("ours", streams_round(ours, r), streams)
+                memory = ours.memory()
+                ours.close()
+            server = open_server(args, path, row)
+            try:
+                server.batch(prompts(10, 2, PROMPT), 4)  # warm-up
+                if row.interleaved:
+                    ours.batch(prompts(10, 2, PROMPT), 4)
+                for r in range(args.repeats):
+                    add("llamacpp", streams_round(server, r), streams)
+                    if row.interleaved:
+                        add("ours", streams_round(ours, r), streams)
+                row.llamacpp["peak_rss_gib"] = server.memory()["VmHWM"] / 2**30
+            finally:
+                server.close()
+        if row.interleaved or args.no_streams:
+            memory = ours.memory()
         row.ours["peak_rss_gib"] = memory["VmHWM"] / 2**30
         row.ours["weight_gib"] = (memory.get("weight_bytes") or 0) / 2**30
     finally:
-        engine.close()
+        ours.close()
+    record(row, short)
+    if not args.no_streams:
+        record(row, streams)
 
 
 def measure_ours_contexts(args: argparse.Namespace, path: str, row: Row, contexts: list[int]) -> None:
@@ -163,24 +251,6 @@ def measure_ours_contexts(args: argparse.Namespace, path: str, row: Row, context
         for context in contexts:
             reply = engine.single(prompts(400 + context, 1, context)[0], 33)
             row.ours[f"decode_at_{context}_tok_s"] = (reply["tokens"] - 1) / reply["decode_s"]
-    finally:
-        engine.close()
-
-
-def measure_llamacpp(args: argparse.Namespace, path: str, row: Row) -> None:
-    bench = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-bench")
-    server = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-server")
-    entries = llama_bench(bench, path, args.threads, args.repeats, ["-p", str(PP), "-n", str(NEW)])
-    row.llamacpp["pp512_tok_s"] = bench_rate(entries, PP, 0)
-    row.llamacpp["decode_tok_s"] = bench_rate(entries, 0, NEW)
-    if args.no_streams:
-        return
-    engine = LlamaServerEngine(server, path, args.threads, STREAMS, SLOT_TOKENS,
-                               os.path.join(args.log_dir, f"{row.model}-llama-server.log"), extra_args=["-fa", "on"])
-    try:
-        row.llamacpp["load_s"] = engine.load_s
-        row.llamacpp["streams16_tok_s"], row.llamacpp["streams16_decode_tok_s"] = streams_rates(engine, args.repeats)
-        row.llamacpp["peak_rss_gib"] = engine.memory()["VmHWM"] / 2**30
     finally:
         engine.close()
 
@@ -206,11 +276,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def verdicts(row: Row) -> list[tuple[str, float | None, float, bool]]:
     """(what, value, bar, higher is better) per bar of the issue."""
     o, c = row.ours, row.llamacpp
-    out = [("decode / llama.cpp", ratio(o.get("decode_tok_s"), c.get("decode_tok_s")), 1.15, True),
+
+    def against(key: str) -> float | None:  # the repeats' paired ratios where the engines alternated
+        paired = o.get(key.replace("_tok_s", "_paired_ratio"))
+        return paired if row.interleaved and paired else ratio(o.get(key), c.get(key))
+
+    out = [("decode / llama.cpp", against("decode_tok_s"), 1.15, True),
            ("decode / roofline", ratio(o.get("decode_tok_s"), row.roofline_tok_s), 0.80, True),
-           ("pp512 / llama.cpp", ratio(o.get("pp512_tok_s"), c.get("pp512_tok_s")), 1.0, True)]
+           ("pp512 / llama.cpp", against("pp512_tok_s"), 1.0, True)]
     if "streams16_tok_s" in o:
-        out += [("16 streams / llama-server", ratio(o.get("streams16_tok_s"), c.get("streams16_tok_s")), 2.0, True),
+        out += [("16 streams / llama-server", against("streams16_tok_s"), 2.0, True),
                 ("16 streams / our 1 stream", ratio(o.get("streams16_tok_s"), o.get("decode_tok_s")), 4.0, True),
                 ("peak RSS - file (GiB)", o["peak_rss_gib"] - row.file_gib if "peak_rss_gib" in o else None, 1.5,
                  False),
@@ -218,15 +293,21 @@ def verdicts(row: Row) -> list[tuple[str, float | None, float, bool]]:
     return out
 
 
+def rounded(value: Any) -> Any:
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return round(value, 2) if isinstance(value, float) else value
+
+
 def report(rows: list[Row], bandwidths: list[float]) -> None:
     measured = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
     print(f"\nread bandwidth {max(bandwidths) / 1e9:.1f} GB/s (the highest of {measured})")
     for row in rows:
         print(f"\n{row.model} ({row.file_gib:.2f} GiB, roofline {row.roofline_tok_s or 0:.1f} tok/s)")
+        print(f"  engines {'interleaved repeat by repeat' if row.interleaved else 'each in its own window'}")
         for key in sorted(set(row.ours) | set(row.llamacpp)):
             ours, theirs = row.ours.get(key), row.llamacpp.get(key)
-            print(f"  {key:24s} pagedllm {ours if ours is None else round(ours, 2)!s:>8}   "
-                  f"llama.cpp {theirs if theirs is None else round(theirs, 2)!s:>8}")
+            print(f"  {key:32s} pagedllm {rounded(ours)!s:>8}   llama.cpp {rounded(theirs)!s:>8}")
         for what, value, bar, higher in verdicts(row):
             if value is None:  # a figure this run did not take (--no-streams, --skip-short)
                 continue
@@ -254,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="*", type=int, default=[], help="long-context decode (e.g. 8192 32768)")
     parser.add_argument("--no-streams", action="store_true", help="skip the 16-stream, load and memory figures")
     parser.add_argument("--skip-short", action="store_true", help="only the --contexts figures")
+    parser.add_argument("--sequential", action="store_true",
+                        help="each engine's repeats in a window of its own (the default interleaves them "
+                             "where memory holds both engines)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--log-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "zoo"))
     args = parser.parse_args(argv)
@@ -275,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         print(f"\n=== {spec}: {path} ({row.file_gib:.2f} GiB, cached in {time.perf_counter() - start:.0f} s)",
               flush=True)
-        steps = [] if args.skip_short else [("llama.cpp", measure_llamacpp), ("pagedllm", measure_ours)]
+        row.interleaved = not args.sequential and memory_fits_both(path)
+        steps = [] if args.skip_short else [("both engines" if row.interleaved else "each engine", measure_short)]
         contexts = [c for c in args.contexts if c + 64 <= context_length(path)]
         if contexts:
             contexts = [1024, *contexts]
