@@ -3,7 +3,8 @@
 For each zoo file (random weights of the real shapes, written by make_gguf_models.py) both engines
 run the same GGUF with the same threads:
 - llama.cpp's ``llama-bench`` (flash attention on): prompt processing of a 512-token prompt (pp512)
-  and single-stream decode of 128 tokens (tg128), one run per repeat;
+  and single-stream decode of 128 tokens after 128 of context (tg128 at ``-d 128``), one run of
+  each per repeat;
 - llama.cpp's ``llama-server --parallel 16``: load time (start to /health ready), peak RSS, and
   the aggregate output tok/s of 16 concurrent streams (128-token prompts, 128 new tokens), over the
   whole run and over its decode alone (the run less a batch of the same shape with one new token),
@@ -141,10 +142,12 @@ def ours_round(engine: ChildEngine, r: int) -> tuple[float, float]:
 
 
 def llamacpp_round(args: argparse.Namespace, path: str) -> tuple[float | None, float | None]:
-    """(tg128, pp512) of one ``llama-bench -r 1`` run."""
+    """(tg128, pp512) of one ``llama-bench -r 1`` run each. The decode starts at a depth of PROMPT
+    tokens, as ours does after its PROMPT-token prompt: from an empty cache it would read less KV."""
     bench = os.path.join(args.peers_dir, "llamacpp", "bin", "llama-bench")
-    entries = llama_bench(bench, path, args.threads, 1, ["-p", str(PP), "-n", str(NEW)])
-    return bench_rate(entries, 0, NEW), bench_rate(entries, PP, 0)
+    decode = llama_bench(bench, path, args.threads, 1, ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)])
+    prompt = llama_bench(bench, path, args.threads, 1, ["-p", str(PP), "-n", "0"])
+    return bench_rate(decode, 0, NEW, PROMPT), bench_rate(prompt, PP, 0)
 
 
 def open_ours(args: argparse.Namespace, path: str, row: Row) -> ChildEngine:
