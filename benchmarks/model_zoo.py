@@ -209,36 +209,39 @@ def measure_short(args: argparse.Namespace, path: str, row: Row) -> None:
     if not row.interleaved:
         for _ in range(args.repeats):
             llamacpp_rounds()
-    ours = open_ours(args, path, row)
+    ours: ChildEngine | None = open_ours(args, path, row)
     try:
         for r in range(args.repeats):
             if row.interleaved:
                 llamacpp_rounds()
             add("ours", ours_round(ours, r), short)
+        if not args.no_streams and not row.interleaved:  # one engine loaded at a time
+            for r in range(args.repeats):
+                add("ours", streams_round(ours, r), streams)
+        memory = ours.memory()
         if not args.no_streams:
-            if not row.interleaved:  # one engine loaded at a time
-                for r in range(args.repeats):
-                    add("ours", streams_round(ours, r), streams)
-                memory = ours.memory()
+            if not row.interleaved:
                 ours.close()
+                ours = None
             server = open_server(args, path, row)
             try:
                 server.batch(prompts(10, 2, PROMPT), 4)  # warm-up
-                if row.interleaved:
+                if ours is not None:
                     ours.batch(prompts(10, 2, PROMPT), 4)
                 for r in range(args.repeats):
                     add("llamacpp", streams_round(server, r), streams)
-                    if row.interleaved:
+                    if ours is not None:
                         add("ours", streams_round(ours, r), streams)
                 row.llamacpp["peak_rss_gib"] = server.memory()["VmHWM"] / 2**30
             finally:
                 server.close()
-        if row.interleaved or args.no_streams:
-            memory = ours.memory()
+            if ours is not None:
+                memory = ours.memory()  # its peak over the streams too
         row.ours["peak_rss_gib"] = memory["VmHWM"] / 2**30
         row.ours["weight_gib"] = (memory.get("weight_bytes") or 0) / 2**30
     finally:
-        ours.close()
+        if ours is not None:
+            ours.close()
     record(row, short)
     if not args.no_streams:
         record(row, streams)
