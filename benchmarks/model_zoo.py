@@ -150,11 +150,17 @@ def llamacpp_round(args: argparse.Namespace, path: str) -> tuple[float | None, f
     return bench_rate(decode, 0, NEW, PROMPT), bench_rate(prompt, PP, 0)
 
 
+def ours_process(args: argparse.Namespace, path: str, log_name: str, kv_tokens: int, max_num_seqs: int,
+                 max_model_len: int) -> ChildEngine:
+    """pagedllm in its own process (quant_runners/run_pagedllm.py) with this run's threads and KV type."""
+    return ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
+                       args.threads, {"kv_tokens": kv_tokens, "max_num_seqs": max_num_seqs,
+                                      "llm": {"max_model_len": max_model_len, "kv_cache_dtype": args.kv_cache_dtype}},
+                       {}, os.path.join(args.log_dir, log_name))
+
+
 def open_ours(args: argparse.Namespace, path: str, row: Row) -> ChildEngine:
-    engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
-                         args.threads, {"kv_tokens": STREAMS * SLOT_TOKENS, "max_num_seqs": STREAMS,
-                                        "llm": {"max_model_len": PP + NEW, "kv_cache_dtype": args.kv_cache_dtype}},
-                         {}, os.path.join(args.log_dir, f"{row.model}-pagedllm.log"))
+    engine = ours_process(args, path, f"{row.model}-pagedllm.log", STREAMS * SLOT_TOKENS, STREAMS, PP + NEW)
     row.ours["load_s"] = engine.load_s
     engine.single(prompts(9, 1, PROMPT)[0], 4)  # warm-up
     return engine
@@ -249,10 +255,7 @@ def measure_short(args: argparse.Namespace, path: str, row: Row) -> None:
 
 def measure_ours_contexts(args: argparse.Namespace, path: str, row: Row, contexts: list[int]) -> None:
     longest = max(contexts)
-    engine = ChildEngine("pagedllm", os.path.join(REPO, ".venv", "bin", "python"), "run_pagedllm.py", path,
-                         args.threads, {"kv_tokens": longest + 64, "max_num_seqs": 1,
-                                        "llm": {"max_model_len": longest + 64, "kv_cache_dtype": args.kv_cache_dtype}},
-                         {}, os.path.join(args.log_dir, f"{row.model}-pagedllm-long.log"))
+    engine = ours_process(args, path, f"{row.model}-pagedllm-long.log", longest + 64, 1, longest + 64)
     try:
         for context in contexts:
             reply = engine.single(prompts(400 + context, 1, context)[0], 33)
