@@ -59,10 +59,11 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
     else:
         torch.testing.assert_close(weight, exact, rtol=0, atol=0)
     # Bits per weight of the tiling (quants, fp16 scales per block, fp16 mins where the format has
-    # them; K-quants a byte each per block and an fp16 each per 256 inputs; MXFP4 an exponent byte
-    # per block), for 48 rows: 37 padded to 3 panels of 16, at every level with an int8 dot product.
+    # them; K-quants a byte each per block and an fp16 each per 256 inputs, Q6_K's groups of 256
+    # inputs padded to whole cache lines; MXFP4 an exponent byte per block), for 48 rows: 37 padded
+    # to 3 panels of 16, at every level with an int8 dot product.
     # The file's: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, MXFP4 4.25.
-    bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "I4_G64": 5,
+    bits = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.625, "I4_G64": 5,
             "I4_G128": 5, "I8_ROW": 8.5, "MXFP4": 4.25}[name]
     assert tiled.nbytes == 48 * 512 * bits / 8
     for rows in (1, 3, 4, 7, AMX_MIN_ROWS - 1):
@@ -91,6 +92,39 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
     assert amx == kernel_level.has("int8_linear_amx")
     if amx:
         kernel_level.assert_ran("int8_linear_amx")
+
+
+def _short_group_weights() -> list[tuple[str, object]]:
+    """Formats whose blocks are 32 inputs, at 384 inputs: a panel's groups of 256 inputs end in one of 128."""
+    w = torch.randn(21, 384, generator=torch.Generator().manual_seed(4)) * 0.05
+    cases = [(name, _packed(name, 21, 384, seed=6)) for name in KERNEL_TYPES if not name.endswith("_K")]
+    return cases + [("I4_G64", quantize_int4_groups(w, 64)), ("I4_G128", quantize_int4_groups(w, 128)),
+                    ("I8_ROW", quantize_int8_per_channel(w))]
+
+
+@pytest.mark.parametrize(("name", "packed"), _short_group_weights(), ids=[n for n, _ in _short_group_weights()])
+def test_int8_tiling_with_a_short_last_group(name, packed, kernel_level):
+    reason = int8_tiling_reason(torch.device("cpu"))
+    if reason is not None:
+        assert not kernel_level.has("int8_linear_dot")
+        pytest.skip(f"{kernel_level.level}: {reason}")
+    tiled = tile_for_int8(packed.data, packed.fmt, 384)
+    weight, exact = tiled.dequantize(), packed.dequantize()
+    tolerance = 1e-3 if name == "I8_ROW" else 0.0  # int8 rows round their scales to fp16
+    torch.testing.assert_close(weight, exact, rtol=tolerance, atol=tolerance * float(exact.abs().max()))
+    for rows in (1, 5, 9):
+        x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows))
+        expected = torch.nn.functional.linear(_int8_blocks(x), weight)
+        with use_kernel_config(batch_invariant=True):  # int8 at every row count
+            got = tiled.linear(x, None)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    if cpu_kernels().decoded_gemm_supported(384):  # a prompt's rows decoded to bfloat16 panels
+        x = torch.randn(AMX_MIN_ROWS, 384, generator=torch.Generator().manual_seed(1))
+        with use_kernel_config(batch_invariant=False):
+            got = tiled.linear(x, None)
+        expected = torch.nn.functional.linear(x.bfloat16().float(), weight.bfloat16().float())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    kernel_level.assert_ran("int8_linear_dot")
 
 
 def test_mxfp4_tiling_only_where_exact(kernel_level):
