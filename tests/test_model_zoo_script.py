@@ -68,19 +68,27 @@ def run_measure(zoo, monkeypatch, interleaved: bool, streams: bool) -> tuple[lis
         row.llamacpp["load_s"] = 2.0
         return server
 
+    bandwidths = iter([100.0, 300.0, 100.0, 300.0])  # bytes/s: every repeat's mean of its two probes is 200
+
+    def measure_read_bandwidth(threads, repeats):
+        log.append("probe")
+        return next(bandwidths)
+
     for name, fn in [("llamacpp_round", llamacpp_round), ("ours_round", ours_round), ("streams_round", streams_round),
-                     ("open_ours", open_ours), ("open_server", open_server)]:
+                     ("open_ours", open_ours), ("open_server", open_server),
+                     ("measure_read_bandwidth", measure_read_bandwidth), ("weight_bytes_per_token", lambda path: 10)]:
         monkeypatch.setattr(zoo, name, fn)
     row = zoo.Row("m:q4_k_m", "/nonexistent.gguf", 1.0, interleaved=interleaved)
-    args = argparse.Namespace(repeats=3, no_streams=not streams)
+    args = argparse.Namespace(repeats=3, no_streams=not streams, threads=2)
     zoo.measure_short(args, row.path, row)
     return log, row
 
 
 def test_interleaved_repeats_alternate_engines_with_ours_loaded(zoo, monkeypatch):
     log, row = run_measure(zoo, monkeypatch, interleaved=True, streams=True)
-    assert log[:7] == ["ours open", "llama-bench", "ours 0", "llama-bench", "ours 1", "llama-bench", "ours 2"]
-    assert log[7:] == ["server open", "server streams 0", "ours streams 0", "server streams 1", "ours streams 1",
+    assert log[:11] == ["ours open", "probe", "llama-bench", "ours 0", "probe", "llama-bench", "ours 1", "probe",
+                        "llama-bench", "ours 2", "probe"]
+    assert log[11:] == ["server open", "server streams 0", "ours streams 0", "server streams 1", "ours streams 1",
                        "server streams 2", "ours streams 2", "server close", "ours close"]
     # Medians per engine, and the median of each repeat's ours / llama.cpp (1.0, 1.5, 1.0).
     assert row.ours["decode_tok_s"] == 11.0 and row.llamacpp["decode_tok_s"] == 10.0
@@ -89,6 +97,10 @@ def test_interleaved_repeats_alternate_engines_with_ours_loaded(zoo, monkeypatch
     verdicts = {what: value for what, value, _, _ in zoo.verdicts(row)}
     assert verdicts["decode / llama.cpp"] == 1.0  # the paired ratio, not 11 / 10
     assert verdicts["16 streams / llama-server"] == 2.0
+    # Each repeat's decode over its own roofline (10 bytes a token, 200 bytes/s): llama.cpp's 0.5, 0.4, 0.55;
+    # ours 0.5, 0.6, 0.55.
+    assert row.llamacpp["decode_roofline_share"] == pytest.approx(0.5)
+    assert verdicts["decode / roofline"] == pytest.approx(0.55)
     assert row.ours["peak_rss_gib"] == 1.0 and row.llamacpp["peak_rss_gib"] == 1.0
 
 
