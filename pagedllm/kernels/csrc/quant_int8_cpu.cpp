@@ -10,10 +10,10 @@
 // zero rows). Each panel is one contiguous run of bytes, in groups of 256 inputs (a legacy format's
 // last group may hold fewer): a group's quants, then its scale regions, so that a kernel reads a
 // panel front to back as one stream (groups start on cache lines: group_stride). With the scales in a
-// region of their own after all of a panel's quants, a one-row product read two streams at once, which
-// the hardware prefetcher followed badly: on a Zen 4 one thread's one-row Q4_K product read 10.7 GB/s
-// without software prefetches (20.7 with them), against 22.9 GB/s with the groups and no software
-// prefetch and 24.3 for a plain read loop (a standalone loop over the 9728 x 2560 weight).
+// region of their own after all of a panel's quants, a one-row product read two streams at once: on a
+// Zen 4, one thread's one-row Q4_K 9728 x 2560 product took 0.845 ms that way and 0.723 ms in groups,
+// Q6_K 1.029 and 0.845 ms (benchmarks/kernel_builds_ab.py; at two threads, run to run, Q4_K 0.99-1.29x
+// and Q6_K 1.04-1.16x as fast).
 // Within a group of G inputs:
 //   quants:  G/8 chunks of 64 bytes for 4-bit formats: byte 4r + j holds, for row r, input 8c + j
 //            in its low nibble and input 8c + 4 + j in its high nibble (j < 4); so one 64-byte load
