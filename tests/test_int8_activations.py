@@ -34,9 +34,10 @@ def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * (amax / 127)).view_as(x)
 
 
-def _weights() -> list[tuple[str, object]]:
-    w = torch.randn(37, 512, generator=torch.Generator().manual_seed(3)) * 0.05
-    cases = [(name, _packed(name, 37, 512, seed=5)) for name in KERNEL_TYPES]
+def _weights(rows: int = 37, k: int = 512, seed: int = 3, k_quants: bool = True) -> list[tuple[str, object]]:
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    names = [name for name in KERNEL_TYPES if k_quants or not name.endswith("_K")]
+    cases = [(name, _packed(name, rows, k, seed=seed + 2)) for name in names]
     return cases + [("I4_G64", quantize_int4_groups(w, 64)), ("I4_G128", quantize_int4_groups(w, 128)),
                     ("I8_ROW", quantize_int8_per_channel(w))]
 
@@ -96,10 +97,7 @@ def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
 
 def _short_group_weights() -> list[tuple[str, object]]:
     """Formats whose blocks are 32 inputs, at 384 inputs: a panel's groups of 256 inputs end in one of 128."""
-    w = torch.randn(21, 384, generator=torch.Generator().manual_seed(4)) * 0.05
-    cases = [(name, _packed(name, 21, 384, seed=6)) for name in KERNEL_TYPES if not name.endswith("_K")]
-    return cases + [("I4_G64", quantize_int4_groups(w, 64)), ("I4_G128", quantize_int4_groups(w, 128)),
-                    ("I8_ROW", quantize_int8_per_channel(w))]
+    return _weights(21, 384, seed=4, k_quants=False)
 
 
 @pytest.mark.parametrize(("name", "packed"), _short_group_weights(), ids=[n for n, _ in _short_group_weights()])

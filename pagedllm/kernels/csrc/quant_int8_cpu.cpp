@@ -28,10 +28,10 @@
 //            otherwise O = c * S with the format's constant c (Q4_0: -8, Q6_K: -32, 8-bit: -128).
 // Sub-scales (the K-quants): the file's integer scales stay integers, as bytes per block and row
 // (Q6_K's signed), under one fp16 per 256 inputs and row: S = d * sc, O = dmin * m (dmin stored
-// negated). Regions: sc [G/flush][16], m [G/flush][16], d [16], dmin [16]. Q4_K reads
-// 4.625 bits per weight so (5 with fp16 scales and mins per block; the file's 4.5), Q6_K 6.625 (7;
-// the file's 6.5625; its groups padded to whole cache lines), Q5_K 5.625 (the file's 5.5): decode streams the weights once per token, so its
-// time follows these bytes. d * sc is exact in float (an fp16 times a 6-bit integer), so the tiling
+// negated). Regions: sc [G/flush][16], m [G/flush][16], d [16], dmin [16]. Q4_K reads 4.625 bits per
+// weight so (5 with fp16 scales and mins per block; the file's 4.5), Q6_K 6.625 (7; the file's 6.5625;
+// its groups padded to whole cache lines), Q5_K 5.625 (the file's 5.5): decode streams the weights once
+// per token, so its time follows these bytes. d * sc is exact in float (an fp16 times a 6-bit integer), so the tiling
 // holds the file's weights exactly.
 // Signed 8-bit quants (Q8_0 and int8 rows, AVX2 builds): pmaddubsw takes one unsigned operand, and the
 // unsigned quant q + 128 times an int8 activation would overflow its int16 pair sums, so the tiling
@@ -129,9 +129,9 @@ int64_t group_bytes(const Tiling& t, int64_t inputs) {
 int64_t group_stride(const Tiling& t) { return (group_bytes(t, kGroup) + 63) / 64 * 64; }
 int64_t panel_bytes(const Tiling& t, int64_t k) { return (k / kGroup) * group_stride(t) + group_bytes(t, k % kGroup); }
 
-// A panel's scale regions, after its quants. Without sub-scales: scales, mins as fp16 [K/flush][16].
-// With them: sub, sub_mins [K/flush][16] bytes, then scales, mins as fp16 [K/super][16]. Exponent
-// bytes: sub [K/flush][16].
+// A group's scale regions, after its quants (k: the group's inputs). Without sub-scales: scales, mins as
+// fp16 [k/flush][16]. With them: sub, sub_mins [k/flush][16] bytes, then scales, mins as fp16
+// [k/super][16]. Exponent bytes: sub [k/flush][16].
 struct PanelScales {
   const uint16_t* scales;
   const uint16_t* mins;
