@@ -26,7 +26,9 @@ and again after each model, the highest of these: on a shared VM the rate moved 
 above 100% of its roofline) over the weight bytes one token reads (a MoE's experts counted at
 top-k / n_expert). With the engines interleaved, the bandwidth is also probed between repeats, and each
 engine's decode is given as a share of its own repeat's roofline (``decode_roofline_share``, the bar's
-figure then), so that a fast or slow minute falls on both the decode and its roofline.
+figure then), so that a fast or slow minute falls on both the decode and its roofline. On the 2-core
+Zen 4 VM that did not hold: the probes swung between 29 and 63 GB/s from one repeat to the next, and
+two shares came out above 1 (benchmarks/README.md, "Scales beside their quants").
 ``--contexts 8192 32768`` adds single-stream decode at those context lengths
 (llama-bench ``-d``, pagedllm a prompt of that length) for the models whose context allows them,
 and at 1024 for the ratio.

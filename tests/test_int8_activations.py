@@ -42,12 +42,17 @@ def _weights(rows: int = 37, k: int = 512, seed: int = 3, k_quants: bool = True)
                     ("I8_ROW", quantize_int8_per_channel(w))]
 
 
-@pytest.mark.parametrize(("name", "packed"), _weights(), ids=[n for n, _ in _weights()])
-def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
+def _skip_without_int8_dot(kernel_level) -> None:
+    """Skips a level without an int8 dot product, after checking it indeed registers no int8 kernel."""
     reason = int8_tiling_reason(torch.device("cpu"))
     if reason is not None:
         assert not kernel_level.has("int8_linear_dot")
         pytest.skip(f"{kernel_level.level}: {reason}")
+
+
+@pytest.mark.parametrize(("name", "packed"), _weights(), ids=[n for n, _ in _weights()])
+def test_int8_kernel_equals_its_arithmetic(name, packed, kernel_level):
+    _skip_without_int8_dot(kernel_level)
     # Every format tiles wherever an int8 dot product runs (8-bit quants on AVX2 as signed bytes).
     tiled = tile_for_int8(packed.data, packed.fmt, 512)
     assert isinstance(tiled, Int8TiledTensor) and tiled.shape == (37, 512)
@@ -102,10 +107,7 @@ def _short_group_weights() -> list[tuple[str, object]]:
 
 @pytest.mark.parametrize(("name", "packed"), _short_group_weights(), ids=[n for n, _ in _short_group_weights()])
 def test_int8_tiling_with_a_short_last_group(name, packed, kernel_level):
-    reason = int8_tiling_reason(torch.device("cpu"))
-    if reason is not None:
-        assert not kernel_level.has("int8_linear_dot")
-        pytest.skip(f"{kernel_level.level}: {reason}")
+    _skip_without_int8_dot(kernel_level)
     tiled = tile_for_int8(packed.data, packed.fmt, 384)
     weight, exact = tiled.dequantize(), packed.dequantize()
     tolerance = 1e-3 if name == "I8_ROW" else 0.0  # int8 rows round their scales to fp16
